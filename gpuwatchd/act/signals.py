@@ -53,11 +53,9 @@ def _signal_number(name: str) -> int | None:
 
 
 class Signaller:
-    """Sends signals through pidfds and waits on them. One per daemon; not thread-safe. The
-    pidfds of processes signalled (or checked in dry-run) are kept until :meth:`wait` reports
-    their exit, or :meth:`forget` / :meth:`close`. ``as_judged``: what of the facts the
-    process was judged on reads otherwise now (None: nothing), e.g.
-    :meth:`gpuwatchd.collect.collector.Collector.as_judged`; a change sends nothing."""
+    """Sends signals through pidfds and waits on them; one per daemon, not thread-safe. A pidfd
+    is kept until :meth:`wait` reports its exit, or :meth:`forget` / :meth:`close`.
+    ``as_judged``: :meth:`gpuwatchd.collect.collector.Collector.as_judged` (docs/internals.md)."""
 
     def __init__(
         self,

@@ -23,8 +23,6 @@ IN_CREATE = 0x00000100
 IN_Q_OVERFLOW = 0x00004000
 IN_IGNORED = 0x00008000
 IN_ONLYDIR = 0x01000000
-IN_NONBLOCK = os.O_NONBLOCK
-IN_CLOEXEC = os.O_CLOEXEC
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes of name
 _READ_SIZE = 64 * 1024
 
@@ -66,7 +64,7 @@ class DeviceWatch:
             return True
         try:
             libc = ctypes.CDLL(None, use_errno=True)
-            fd = libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+            fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)  # IN_NONBLOCK | IN_CLOEXEC
         except (OSError, AttributeError) as err:
             self.error = f"inotify unavailable: {err}"
             return False

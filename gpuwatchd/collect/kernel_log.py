@@ -186,12 +186,9 @@ class _Lines:
 
 @dataclass(eq=False)
 class KernelLog:
-    """The kernel log's Xids, read a bounded slice per :meth:`read` call.
-
-    ``source``: ``journal``, ``off`` or the path of a file in ``/dev/kmsg``'s format.
-    ``read_process``: facts about a live process, to name the job of the process an Xid
-    names (only when it started before the Xid and still goes by the printed name).
-    """
+    """The kernel log's Xids, read a bounded slice per :meth:`read` call. ``source``:
+    ``journal``, ``off`` or the path of a file in ``/dev/kmsg``'s format. ``read_process``:
+    facts about a live process, to name the job of the process an Xid names (:meth:`_with_job`)."""
 
     source: str
     _: KW_ONLY

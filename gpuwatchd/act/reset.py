@@ -338,19 +338,13 @@ def perform_reset(
         drained=drained,
         fabric_wait=fabric_wait,
     )
-    stopped = _up_to_final_scan(proc)
-    if stopped is not None:
-        return stopped
-    return _reset_and_check(proc)
+    return _up_to_final_scan(proc) or _reset_and_check(proc)
 
 
 def _up_to_final_scan(proc: Procedure) -> ResetOutcome | None:
     """Steps drain to final_scan; an outcome when the procedure stopped (and was undone)."""
     target, env, prepared = proc.target, proc.env, proc.commands
-    if (stopped := _drain(proc)) is not None:
-        return stopped
-
-    if (stopped := _stop_nvml(proc)) is not None:
+    if (stopped := _drain(proc) or _stop_nvml(proc)) is not None:
         return stopped
 
     if not proc.begin(ResetStep.BEFORE_HOOKS):

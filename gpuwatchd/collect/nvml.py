@@ -22,6 +22,7 @@ from typing import Any, Protocol, TypeVar
 
 from gpuwatchd.collect.mig import MAX_INSTANCE_ID, MAX_MIG_DEVICES
 from gpuwatchd.core.checked import as_flag, as_map, as_number, items, obj, opt_integer, opt_text
+from gpuwatchd.core.codec import decode_json_object
 from gpuwatchd.core.model import (
     GpuHealth,
     GpuInfo,
@@ -286,12 +287,9 @@ class NvmlClient:
             self._buffer += chunk
         line, _, self._buffer = self._buffer.partition(b"\n")
         try:
-            reply = json.loads(line)
-        except (ValueError, RecursionError) as error:  # RecursionError: nested too deeply
+            return decode_json_object(line)
+        except ValueError as error:
             raise _WorkerGone(f"NVML worker sent garbage: {line[:200]!r}") from error
-        if not isinstance(reply, dict):
-            raise _WorkerGone(f"NVML worker sent garbage: {line[:200]!r}")
-        return reply
 
     def _death_note(self, proc: subprocess.Popen[bytes]) -> str:
         if not wait_exit(proc, REAP_GRACE):

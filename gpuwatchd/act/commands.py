@@ -166,10 +166,8 @@ def run_command(
     env: Mapping[str, str] | None = None,
     scope: CommandScope | None = None,
 ) -> CommandResult:
-    """Run ``argv`` (no shell) in a new session under a keeper (:mod:`gpuwatchd.act.reaper`),
-    under ``timeout`` seconds; nothing it starts outlives it (docs/internals.md). ``env`` is
-    the complete environment (None: the daemon's), less ``PYTHON*``, plus a fresh
-    ``GPUWATCHD_COMMAND_ID``."""
+    """Run ``argv`` (no shell) under a keeper within ``timeout`` seconds (docs/internals.md);
+    ``env``: the complete environment (None: the daemon's)."""
     args = tuple(argv)
     started = time.monotonic()
     if not args:

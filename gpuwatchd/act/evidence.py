@@ -238,10 +238,8 @@ def _encode(doc: Mapping[str, object]) -> bytes | None:
 
 @dataclass(eq=False)
 class EvidenceKeeper:
-    """Writes the evidence files of one daemon into its state directory.
-
-    ``folder`` gives the open state directory (None when it cannot be used); ``report``
-    builds the ``scan --json`` document (None: the file holds no report, saying so)."""
+    """Writes one daemon's evidence files: ``folder`` gives the open state directory (None when
+    unusable); ``report`` builds the ``scan --json`` document (None: the file says it has none)."""
 
     folder: Callable[[], EvidenceFolder | None]
     report: ReportBuilder | None

@@ -193,9 +193,8 @@ def _check_after_reset(proc: Procedure, interrupted: str) -> ResetOutcome:
 
 
 def _resume_recovery(proc: Procedure, recovery: InstanceRecovery, done: int | None) -> ResetOutcome:
-    """Go on with a MIG recovery a crash interrupted during its commands, ``done`` of them
-    completed (None: a record from before they were counted), after reading the GPU again
-    (docs/internals.md, section ``gpuwatchd.act.reset_resume``)."""
+    """Go on with a MIG recovery interrupted during its commands, ``done`` of them completed
+    (None: not counted), after reading the GPU again (docs/internals.md)."""
     commands = proc.commands.reset
     total = len(commands)
     if done is not None and not 0 <= done <= total:

@@ -367,9 +367,8 @@ class CommandRunner(Protocol):
 def progress_record(
     target: ResetTarget, step: ResetStep, data: Mapping[str, object]
 ) -> dict[str, object]:
-    """The JSON-able record the state file keeps for a reset in progress (its fields:
-    docs/internals.md, section ``gpuwatchd.act.reset_target``), which
-    :func:`resume_interrupted` reads back."""
+    """The record the state file keeps for a reset in progress (its fields: docs/internals.md),
+    read back by :func:`resume_interrupted`."""
     record: dict[str, object] = {
         **fields_of(target, ("uuid", "pci_bus_id", "minor", "persistence_was_on")),
         "step": step.value,

@@ -173,11 +173,9 @@ class Collector:
         return info.start_ticks, trusted
 
     def as_judged(self, identity: ProcessIdentity) -> str | None:
-        """Which facts the rules judge (user, comm, command line, exe, cgroup) of a process about
-        to be signalled read otherwise now than in the last snapshot, which may have reused them
-        (a move to another cgroup or a command line rewritten without an exec): None when none
-        does, or when the snapshot had no facts of it. A change drops the remembered facts, so
-        the next poll judges the process on what it is now."""
+        """Which facts the rules judge (:data:`_JUDGED`) of a process about to be signalled read
+        otherwise now than in the last snapshot (docs/internals.md), or None (also without facts
+        of it). A change drops the remembered facts: the next poll judges the process afresh."""
         judged = self._facts.get(identity.pid)
         if judged is None or judged.start_ticks != identity.start_ticks:
             return None
@@ -365,9 +363,8 @@ def _note_holders(c: Collector, poll: _Poll, holders: HolderScan) -> set[int]:
 def _processes_of(
     c: Collector, poll: _Poll, live_listed: dict[int, ProcessInfo], wanted: set[int]
 ) -> dict[int, ProcessInfo]:
-    """The snapshot's processes: the listed ones, ``wanted`` and their ancestors (so that
-    process-tree questions can be answered), never our own; the facts read this poll are
-    remembered for the next."""
+    """The snapshot's processes: the listed ones, ``wanted`` and their ancestors (for process
+    trees), never our own; the facts read this poll are remembered for the next."""
     processes = dict(live_listed)
     processes.update(c._read_processes(wanted - processes.keys() - poll.self_pids))
     found = processes

@@ -72,10 +72,8 @@ def match_device_name(name: str) -> _Match | None:
 
 
 def lines_containing(data: bytes, markers: tuple[bytes, ...]) -> list[bytes]:
-    """The distinct ``\\n``-separated lines of ``data`` containing any marker. Pure.
-
-    Found without splitting all of ``data`` (a process can have tens of thousands of mappings).
-    """
+    """The distinct ``\\n``-separated lines of ``data`` containing any marker, found without
+    splitting all of it (a process can have tens of thousands of mappings). Pure."""
     starts: set[int] = set()
     for marker in markers:
         at = data.find(marker)

@@ -152,10 +152,9 @@ def read_recovery_action(handle: Any, errors: list[str]) -> dict[str, Any]:
 
 
 def read_fabric(handle: Any, errors: list[str], first: int) -> tuple[dict[str, Any], int]:
-    """The NVLink fabric of one GPU through ``nvmlDeviceGetGpuFabricInfoV`` with the struct of
-    version ``first`` (3 has the health summary; 2 after NVML_ERROR_ARGUMENT_VERSION_MISMATCH),
-    passed by reference, its version set by its constructor. Returns the entry and the version
-    to use next time."""
+    """The NVLink fabric of one GPU by ``nvmlDeviceGetGpuFabricInfoV`` with the struct of version
+    ``first`` (3 has the health summary; 2 after NVML_ERROR_ARGUMENT_VERSION_MISMATCH): the
+    entry, and the version to use next time."""
     name = "nvmlDeviceGetGpuFabricInfoV"
     for version in (3, 2) if first == 3 else (2,):
         struct = getattr(pynvml, f"c_nvmlGpuFabricInfo_v{version}_t", None)

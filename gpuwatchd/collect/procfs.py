@@ -91,8 +91,7 @@ def _read_text(path: str) -> str:
 
 class ProcFS:
     """Reads process and host facts from a ``/proc`` tree rooted at ``root``; the keyword
-    arguments configure :attr:`holders`, the device-holder scanner over the same tree (its
-    :class:`~gpuwatchd.collect.holders.DeviceFiles` takes the rest of them)."""
+    arguments configure :attr:`holders`, the device-holder scanner over the same tree."""
 
     def __init__(
         self,

@@ -8,6 +8,7 @@ In detail: docs/internals.md, section `gpuwatchd.collect.holders`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import stat
@@ -225,17 +226,13 @@ class DeviceFiles:
         self, base: str, address: str, path: str, inode: bytes
     ) -> tuple[_Match | None, bool]:
         """(what a mapped file is, whether that was proven by device number)."""
-        try:
+        with contextlib.suppress(OSError):
             return self.match_rdev(os.stat(f"{base}/map_files/{address}")), True
-        except OSError:
-            pass
         if not path.endswith(" (deleted)"):
-            try:
+            with contextlib.suppress(OSError):
                 st = os.stat(f"{base}/root{path}")
                 if str(st.st_ino).encode() == inode:
                     return self.match_rdev(st), True
-            except OSError:
-                pass
         if "/dev/" not in path:
             return None, False
         return match_device_name(path.rsplit("/", 1)[-1]), False

@@ -272,8 +272,7 @@ class _Keeper:
             self.reported = True  # the keeper closed it: the command has ended
         elif what == "cancel":  # once: unregistered here
             selector.unregister(fileobj)
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)  # the keeper kills the tree
+            _stop_keeper(self.proc)  # the keeper kills the tree
         elif what == "exit":
             selector.unregister(fileobj)
 

@@ -189,7 +189,7 @@ class NvmlClient:
         with contextlib.suppress(OSError, _WorkerGone):
             if self._proc is None:
                 self._start()
-            self._send({"op": "read"})
+            self._send(self._proc, {"op": "read"})
             self._pending = True
             self._asked_wall = time.time()
 
@@ -216,8 +216,8 @@ class NvmlClient:
                 self._pending, asked = False, self._asked_wall
             else:
                 asked = time.time()
-                self._send({"op": "read"})
-            reply = self._receive(deadline)
+                self._send(self._proc, {"op": "read"})
+            reply = self._receive(self._proc, deadline)
         except TimeoutError:
             return self._wedged()
         except (_WorkerGone, OSError) as error:
@@ -256,10 +256,7 @@ class NvmlClient:
         )
         log.debug(EventName.NVML_WORKER_STARTED, pid=self._proc.pid)
 
-    def _send(
-        self, request: Mapping[str, Any], proc: subprocess.Popen[bytes] | None = None
-    ) -> None:
-        proc = proc or self._proc
+    def _send(self, proc: subprocess.Popen[bytes] | None, request: Mapping[str, Any]) -> None:
         if proc is None or proc.stdin is None:
             raise _WorkerGone("no NVML worker")
         try:
@@ -267,10 +264,7 @@ class NvmlClient:
         except BrokenPipeError as error:
             raise _WorkerGone(self._death_note(proc)) from error
 
-    def _receive(
-        self, deadline: float, proc: subprocess.Popen[bytes] | None = None
-    ) -> dict[str, Any]:
-        proc = proc or self._proc
+    def _receive(self, proc: subprocess.Popen[bytes] | None, deadline: float) -> dict[str, Any]:
         if proc is None or proc.stdout is None:
             raise _WorkerGone("no NVML worker")
         fd = proc.stdout.fileno()
@@ -320,9 +314,9 @@ class NvmlClient:
             if proc.poll() is None:
                 with contextlib.suppress(_WorkerGone, OSError, TimeoutError):
                     deadline = time.monotonic() + self.timeout
-                    self._send({"op": "shutdown"}, proc)
+                    self._send(proc, {"op": "shutdown"})
                     # A prefetched read is answered first; the shutdown's reply ends the wait.
-                    while "shutdown" not in self._receive(deadline, proc):
+                    while "shutdown" not in self._receive(proc, deadline):
                         pass
             self._finish(proc)
         self._buffer = b""

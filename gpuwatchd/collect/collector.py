@@ -202,19 +202,16 @@ class Collector:
         self._scan_state = FullScanState(last_full=self.clock(), dead_listed=dead_listed)
 
     def _full_scan(
-        self,
-        scanner: HolderScanner,
-        listed: frozenset[int],
-        reading: NvmlReading,
-        read_now: dict[int, ProcessInfo] | None = None,
+        self, poll: _Poll, read_now: dict[int, ProcessInfo] | None = None
     ) -> tuple[HolderScan, dict[int, ProcessInfo]]:
         """Scan all of /proc with no remembered fact or holding kept; ``read_now``: the listed
         processes' facts when this poll read them all afresh (else they are read again)."""
         self._facts, self._facts_seen, self._held = {}, {}, {}
+        listed = poll.listed
         live_listed = self.procfs.read_processes(listed) if read_now is None else dict(read_now)
         self._facts_seen.update(live_listed)
-        holders = scanner.scan(None)
-        self._remember_holdings(holders, listed_gpus(reading), live_listed)
+        holders = poll.scanner.scan(None)
+        self._remember_holdings(holders, listed_gpus(poll.reading), live_listed)
         return holders, live_listed
 
     def _read_processes(self, pids: Iterable[int]) -> dict[int, ProcessInfo]:
@@ -251,14 +248,10 @@ class Collector:
         return info
 
     def _targeted_scan(
-        self,
-        scanner: HolderScanner,
-        targets: list[int],
-        reading: NvmlReading,
-        live_listed: dict[int, ProcessInfo],
+        self, poll: _Poll, targets: list[int], live_listed: dict[int, ProcessInfo]
     ) -> HolderScan:
         """Scan ``targets``, reusing the holdings of listed processes whose view is unchanged."""
-        gpus_of = listed_gpus(reading)
+        gpus_of = listed_gpus(poll.reading)
         reused: dict[int, DeviceHolding | None] = {}
         for pid in targets:
             held = self._held.get(pid)
@@ -271,7 +264,7 @@ class Collector:
                 and held.signature == _signature_of_info(info)
             ):
                 reused[pid] = held.holding
-        scan = scanner.scan([pid for pid in targets if pid not in reused])
+        scan = poll.scanner.scan([pid for pid in targets if pid not in reused])
         if reused:
             kept = {pid: h for pid, h in reused.items() if h is not None}
             scan = dataclasses.replace(scan, holdings={**scan.holdings, **kept})
@@ -317,20 +310,20 @@ def _scan_holders(
         backstop=c.backstop,
     )  # fmt: skip
     c.last_scan_reason = reason
-    scanner, listed, reading, self_pids = poll.scanner, poll.listed, poll.reading, poll.self_pids
+    self_pids = poll.self_pids
     if reason is not None:
-        return c._full_scan(scanner, listed, reading, live_listed if fresh else None)
+        return c._full_scan(poll, live_listed if fresh else None)
     # Descendants of every known holder, not only of listed ones: a holder's fork
     # inherits its files without opening anything (no inotify event).
-    targets = set(listed) | set(c._known_holders)
+    targets = set(poll.listed) | set(c._known_holders)
     files = c._stat_files
     targets |= c.procfs.descendants(targets, None if files is None else files.children)
-    holders = c._targeted_scan(scanner, sorted(targets - self_pids), reading, live_listed)
+    holders = c._targeted_scan(poll, sorted(targets - self_pids), live_listed)
     found = frozenset(holders.holdings) - self_pids
     if (reason := holder_gone(c._known_holders - self_pids, found)) is not None:
         c.last_scan_reason = reason
         c._scan_state = dataclasses.replace(c._scan_state, last_full=poll.now)
-        return c._full_scan(scanner, listed, reading)
+        return c._full_scan(poll)
     return holders, live_listed
 
 

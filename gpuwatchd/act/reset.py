@@ -137,6 +137,16 @@ class Procedure:
             **fields,
         )
 
+    def ended(self, step: ResetStep, failures: Sequence[str], done: str, **fields: object) -> None:
+        """The step's ``failed`` event (a warning) naming ``failures``, else its ``ok`` one."""
+        self.event(
+            step,
+            ResetStepStatus.FAILED if failures else ResetStepStatus.OK,
+            level=Level.WARNING if failures else Level.INFO,
+            **fields,
+            detail="; ".join(failures) or done,
+        )
+
     def command(self, step: ResetStep, argv: tuple[str, ...]) -> CommandResult | None:
         """Run ``argv`` for ``step`` (None in dry-run) and emit the step's event."""
         if self.dry_run:
@@ -190,13 +200,8 @@ class Procedure:
             for r in results
             if not r.ok
         ]
-        self.event(
-            step,
-            ResetStepStatus.FAILED if failures else ResetStepStatus.OK,
-            level=Level.WARNING if failures else Level.INFO,
-            hooks=[list(r.argv) for r in results],
-            detail="; ".join(failures) if failures else f"{len(results)} hook(s) ran",
-        )
+        ran = [list(r.argv) for r in results]
+        self.ended(step, failures, f"{len(results)} hook(s) ran", hooks=ran)
         return failures[0] if failures else None
 
     def persistence_back_on(self) -> bool:
@@ -565,13 +570,7 @@ def _stop_monitors(proc: Procedure) -> tuple[ResetOutcome | None, frozenset[int]
     processes = [m for m in found if m.entry.unit is None]
     if not failures and processes:
         failures = proc.env.stop_monitors(proc.target, processes, proc.policy.timeout)
-    proc.event(
-        step,
-        ResetStepStatus.FAILED if failures else ResetStepStatus.OK,
-        level=Level.WARNING if failures else Level.INFO,
-        monitors=monitors,
-        detail="; ".join(failures) or "stopped " + ", ".join(monitors),
-    )
+    proc.ended(step, failures, "stopped " + ", ".join(monitors), monitors=monitors)
     if failures:
         reason = "a monitor could not be stopped: " + "; ".join(failures)
         return proc.abort(step, reason), frozenset()
@@ -587,13 +586,8 @@ def _start_monitors(proc: Procedure) -> None:
     proc.begin(step)
     failures = _systemctl(proc, "start", proc.units_stopped)
     proc.notes.extend(f"a monitor could not be started again: {f}" for f in failures)
-    proc.event(
-        step,
-        ResetStepStatus.FAILED if failures else ResetStepStatus.OK,
-        level=Level.WARNING if failures else Level.INFO,
-        units=list(proc.units_stopped),
-        detail="; ".join(failures) or f"{len(proc.units_stopped)} unit(s) started",
-    )
+    started = f"{len(proc.units_stopped)} unit(s) started"
+    proc.ended(step, failures, started, units=list(proc.units_stopped))
     proc.units_stopped = []  # done: a resume must not start them again
 
 

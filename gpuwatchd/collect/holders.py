@@ -33,6 +33,7 @@ _DEVICE_NAME = re.compile(r"nvidia(\d+)|nvidiactl|nvidia-uvm|(?:nvidia-caps/)?nv
 
 # ("gpu", minor) | ("ctl", 0) | ("uvm", 0) | ("cap", minor)
 _Match = tuple[str, int]
+_ByInode = dict[tuple[bytes, bytes], _Match | None]  # a mapped file's (device, inode) -> match
 
 
 class ProcessTable(Protocol):
@@ -297,7 +298,7 @@ class HolderScanner:
         fully read are left out); ``tick`` is called after each. Runs in a forked worker or
         here; see :mod:`.spread`."""
         rows: list[spread.Row] = []
-        by_inode: dict[tuple[bytes, bytes], _Match | None] = {}
+        by_inode: _ByInode = {}
         for pid in pids:
             found, denied = self._scan_process(pid, by_inode)
             if tick is not None:
@@ -371,9 +372,7 @@ class HolderScanner:
             kept.append(name)
         return kept, targets
 
-    def _scan_maps(
-        self, base: str, found: _Found, by_inode: dict[tuple[bytes, bytes], _Match | None]
-    ) -> bool:
+    def _scan_maps(self, base: str, found: _Found, by_inode: _ByInode) -> bool:
         """Add what the mappings of the process at ``base`` hold; False when it has none."""
         try:
             data = read_proc_file(f"{base}/maps")
@@ -409,9 +408,7 @@ class HolderScanner:
                 found.add(*what, via_map=True)
         return True
 
-    def _scan_process(
-        self, pid: int, by_inode: dict[tuple[bytes, bytes], _Match | None]
-    ) -> tuple[_Found | None, bool]:
+    def _scan_process(self, pid: int, by_inode: _ByInode) -> tuple[_Found | None, bool]:
         """(what ``pid`` holds, whether part of it was unreadable); (None, False) when gone."""
         base = f"{self.procfs.root}/{pid}"
         found = _Found()
@@ -481,9 +478,7 @@ class HolderScanner:
                 tables.insert(place[0], tid)
         return complete
 
-    def _scan_live_thread(
-        self, pid: int, by_inode: dict[tuple[bytes, bytes], _Match | None]
-    ) -> tuple[_Found | None, bool]:
+    def _scan_live_thread(self, pid: int, by_inode: _ByInode) -> tuple[_Found | None, bool]:
         found = _Found()
         try:
             tids = [t for t in os.listdir(f"{self.procfs.root}/{pid}/task") if t != str(pid)]

@@ -195,7 +195,6 @@ class KernelLog:
     read_process: Callable[[int], ProcessInfo | None] | None = None
     clock: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], float] = time.time
-    argv: tuple[str, ...] = JOURNAL_ARGV
     _child: subprocess.Popen[bytes] | None = field(default=None, init=False)
     _lines: _Lines | None = field(default=None, init=False)
     _file: int | None = field(default=None, init=False)
@@ -219,7 +218,7 @@ class KernelLog:
         try:
             if self.source == KERNEL_LOG_JOURNAL:
                 self._child = subprocess.Popen(
-                    self.argv,
+                    JOURNAL_ARGV,
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.DEVNULL,

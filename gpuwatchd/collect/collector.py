@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from gpuwatchd.collect.devwatch import DeviceWatch, WatchNews
-from gpuwatchd.collect.holders import HolderScanner
 from gpuwatchd.collect.inherit import InheritanceProbe, absent_leaders
 from gpuwatchd.collect.jobs import judge_jobs
 from gpuwatchd.collect.kernel_log import KernelLog
@@ -84,7 +83,6 @@ class _Poll:
     now: float
     listed: frozenset[int]
     self_pids: frozenset[int]
-    scanner: HolderScanner
 
 
 @dataclass
@@ -100,7 +98,6 @@ class Collector:
     namespace_check: bool = True
     cgroup_root: str | None = None  # the cgroup v2 mount, for jobs.ended_jobs
     detection: Detection = field(default_factory=Detection)
-    holders: HolderScanner | None = None  # None: procfs.holders
     # The daemon's inotify watch on the device files (None: not watched, e.g. `scan`); while it
     # works, the periodic walk waits for `backstop` seconds (None: full_scan_interval).
     watch: DeviceWatch | None = None
@@ -150,7 +147,6 @@ class Collector:
             now=now,
             listed=listed,
             self_pids=frozenset({os.getpid()}) | self.nvml.worker_pids | self.daemon_pids,
-            scanner=self.holders if self.holders is not None else self.procfs.holders,
         )
         holders, live_listed = _scan_holders(self, poll, live_listed, news, full=full, fresh=fresh)
         holding_pids = _note_holders(self, poll, holders)
@@ -210,7 +206,7 @@ class Collector:
         listed = poll.listed
         live_listed = self.procfs.read_processes(listed) if read_now is None else dict(read_now)
         self._facts_seen.update(live_listed)
-        holders = poll.scanner.scan(None)
+        holders = self.procfs.holders.scan(None)
         self._remember_holdings(holders, listed_gpus(poll.reading), live_listed)
         return holders, live_listed
 
@@ -264,7 +260,7 @@ class Collector:
                 and held.signature == _signature_of_info(info)
             ):
                 reused[pid] = held.holding
-        scan = poll.scanner.scan([pid for pid in targets if pid not in reused])
+        scan = self.procfs.holders.scan([pid for pid in targets if pid not in reused])
         if reused:
             kept = {pid: h for pid, h in reused.items() if h is not None}
             scan = dataclasses.replace(scan, holdings={**scan.holdings, **kept})
@@ -339,7 +335,7 @@ def _note_holders(c: Collector, poll: _Poll, holders: HolderScan) -> set[int]:
             EventName.COLLECT_THREAD_TABLES_UNREAD,
             pid=pid,
             comm=None if info is None else info.comm,
-            budget=poll.scanner.thread_table_budget,
+            budget=c.procfs.holders.thread_table_budget,
         )
     c._said_unread = frozenset(said | holders.thread_tables_unread)
     # An NVML-only holder (no nvidia-uvm, not listed: a monitor) holds no memory, so
@@ -387,10 +383,10 @@ def _snapshot(
     holding_pids: set[int],
 ) -> Snapshot:
     """The snapshot, with the evidence read last: inheritance, jobs, MIG minors, Xids."""
-    reading, scanner = poll.reading, poll.scanner
+    reading = poll.reading
     # Inheritance evidence (collect/inherit.py): kcmp while owners live; lost leaders.
     if c._inheritance is None:
-        c._inheritance = InheritanceProbe(scanner, c.procfs.root)
+        c._inheritance = InheritanceProbe(c.procfs.holders, c.procfs.root)
     marks = {pid: fields.exec_mark for pid, (fields, _info) in c._confirmed.items()}
     file_sharing = c._inheritance.compare(processes, holders, live_listed, marks)
     lost_leaders = absent_leaders(c.procfs.root, processes, holding_pids)

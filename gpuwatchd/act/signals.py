@@ -159,7 +159,6 @@ class Signaller:
             os.close(fd)
 
     def close(self) -> None:
-        """Close every kept pidfd."""
         for identity in list(self._kept):
             self.forget(identity)
 

@@ -96,8 +96,7 @@ def count_active_nvlinks(reader: GpuReader, handle: Any) -> int | None:
         except pynvml.NVMLError as error:
             note_error(reader.errors, "nvmlDeviceGetNvLinkState", error)
             return None
-        if state:
-            active += 1
+        active += bool(state)
     return active
 
 

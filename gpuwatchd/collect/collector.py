@@ -83,6 +83,7 @@ class _Poll:
     now: float
     listed: frozenset[int]
     self_pids: frozenset[int]
+    news: WatchNews | None  # the device watch's, drained after the NVML read
 
 
 @dataclass
@@ -137,9 +138,6 @@ class Collector:
         news = self.watch.drain() if self.watch is not None else None
         now = self.clock()
         listed = listed_pids(reading)
-        # Nothing remembered (the first poll, a one-shot scan): every fact below is read now,
-        # so a full scan need not read the listed processes a second time.
-        fresh = not self._facts
         self._facts_seen = {}
         live_listed = self._read_processes(listed)
         poll = _Poll(
@@ -147,8 +145,9 @@ class Collector:
             now=now,
             listed=listed,
             self_pids=frozenset({os.getpid()}) | self.nvml.worker_pids | self.daemon_pids,
+            news=news,
         )
-        holders, live_listed = _scan_holders(self, poll, live_listed, news, full=full, fresh=fresh)
+        holders, live_listed = _scan_holders(self, poll, live_listed, full=full)
         holding_pids = _note_holders(self, poll, holders)
         wanted = holding_pids | set(holders.unreadable)
         processes = _processes_of(self, poll, live_listed, wanted)
@@ -285,13 +284,7 @@ class Collector:
 
 
 def _scan_holders(
-    c: Collector,
-    poll: _Poll,
-    live_listed: dict[int, ProcessInfo],
-    news: WatchNews | None,
-    *,
-    full: bool,
-    fresh: bool,
+    c: Collector, poll: _Poll, live_listed: dict[int, ProcessInfo], *, full: bool
 ) -> tuple[HolderScan, dict[int, ProcessInfo]]:
     """The device files' holders: all of /proc when the full-scan rule says so, else the
     targeted scan (and all of /proc after all when a known holder is gone)."""
@@ -301,14 +294,16 @@ def _scan_holders(
         detection=c.detection,
         forced=full,
         held_minors=c._held_minors,
-        watching=news is not None and news.available,
-        device_changed=news is not None and news.changed,
+        watching=poll.news is not None and poll.news.available,
+        device_changed=poll.news is not None and poll.news.changed,
         backstop=c.backstop,
     )  # fmt: skip
     c.last_scan_reason = reason
     self_pids = poll.self_pids
     if reason is not None:
-        return c._full_scan(poll, live_listed if fresh else None)
+        # Nothing remembered (the first poll, a one-shot scan): every fact was read this poll,
+        # so a full scan need not read the listed processes a second time.
+        return c._full_scan(poll, None if c._facts else live_listed)
     # Descendants of every known holder, not only of listed ones: a holder's fork
     # inherits its files without opening anything (no inotify event).
     targets = set(poll.listed) | set(c._known_holders)

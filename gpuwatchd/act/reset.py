@@ -205,8 +205,7 @@ class Procedure:
         return failures[0] if failures else None
 
     def persistence_back_on(self) -> bool:
-        """Persistence mode back on, when this procedure turned it off (and not yet back);
-        False when it did not."""
+        """Persistence mode back on if this procedure turned it off (not back yet): True if so."""
         if not self.persistence_off or self.commands.persistence_on is None:
             return False
         self.begin(ResetStep.PERSISTENCE_ON)

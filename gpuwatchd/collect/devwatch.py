@@ -58,8 +58,7 @@ class DeviceWatch:
         return self._fd is not None and not self._incomplete
 
     def start(self) -> bool:
-        """Create the inotify instance and watch what is there; False when inotify is not
-        usable here (``error`` says why)."""
+        """Create the inotify instance, watch what is there; False (``error`` says why) if not."""
         if self._fd is not None:
             return True
         try:

@@ -240,8 +240,7 @@ class DeviceFiles:
 
 
 class HolderScanner:
-    """Finds the holders of NVIDIA device files (``devices``: which files those are) among the
-    processes of ``procfs``."""
+    """The holders of NVIDIA device files (``devices`` says which) among ``procfs``'s processes."""
 
     def __init__(
         self, procfs: ProcessTable, devices: DeviceFiles, *, workers: int | None = None

@@ -10,7 +10,7 @@ import types
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field, replace
 
-from gpuwatchd.act.commands import CommandResult, PreparedHook, run_command, run_hooks
+from gpuwatchd.act.commands import CommandResult, run_command, run_hooks
 from gpuwatchd.act.reset_target import (
     UNRECORDED,
     CommandRunner,
@@ -164,16 +164,14 @@ class Procedure:
         )
         return result
 
-    def hooks(
-        self,
-        step: ResetStep,
-        hooks: Sequence[PreparedHook],
-        event: str,
-        *,
-        stop_on_failure: bool,
-        extra: Mapping[str, object] = EMPTY_ENV,
-    ) -> str | None:
-        """Run the hooks of ``step``; the first failure's description, or None."""
+    def hooks(self, step: ResetStep, extra: Mapping[str, object] = EMPTY_ENV) -> str | None:
+        """Run the hooks of ``step`` (every after hook; the drain and before hooks up to the
+        first failure): the first failure's description, or None."""
+        hooks, event = {
+            ResetStep.DRAIN: (self.commands.drain, "reset_drain"),
+            ResetStep.BEFORE_HOOKS: (self.commands.before, "reset_before"),
+            ResetStep.AFTER_HOOKS: (self.commands.after, "reset_after"),
+        }[step]
         if not hooks:
             self.event(step, ResetStepStatus.SKIPPED, detail="no hooks configured")
             return None
@@ -194,6 +192,7 @@ class Procedure:
             ),
         }
         # filled in already: the hooks recorded, or to be
+        stop_on_failure = step is not ResetStep.AFTER_HOOKS
         results = run_hooks(hooks, env=env, stop_on_failure=stop_on_failure, runner=self.runner)
         failures = [
             f"hook {list(r.argv)!r} failed: {r.describe()}{quote_output(r.output)}"
@@ -223,13 +222,7 @@ class Procedure:
             self.event(ResetStep.PERSISTENCE_ON, ResetStepStatus.SKIPPED, detail=detail)
         _start_monitors(self)
         self.begin(ResetStep.AFTER_HOOKS)
-        failure = self.hooks(
-            ResetStep.AFTER_HOOKS,
-            self.commands.after,
-            "reset_after",
-            stop_on_failure=False,
-            extra={"result": result, "reason": reason},
-        )
+        failure = self.hooks(ResetStep.AFTER_HOOKS, {"result": result, "reason": reason})
         if failure is not None:
             self.notes.append(failure)
 
@@ -347,15 +340,13 @@ def perform_reset(
 
 def _up_to_final_scan(proc: Procedure) -> ResetOutcome | None:
     """Steps drain to final_scan; an outcome when the procedure stopped (and was undone)."""
-    target, env, prepared = proc.target, proc.env, proc.commands
+    target, env = proc.target, proc.env
     if (stopped := _drain(proc) or _stop_nvml(proc)) is not None:
         return stopped
 
     if not proc.begin(ResetStep.BEFORE_HOOKS):
         return proc.abort(ResetStep.BEFORE_HOOKS, UNRECORDED)
-    failure = proc.hooks(
-        ResetStep.BEFORE_HOOKS, prepared.before, "reset_before", stop_on_failure=True
-    )
+    failure = proc.hooks(ResetStep.BEFORE_HOOKS)
     if failure is not None:
         return proc.abort(ResetStep.BEFORE_HOOKS, failure)
 
@@ -396,7 +387,7 @@ def _drain(proc: Procedure) -> ResetOutcome | None:
             ResetStep.DRAIN, ResetStepStatus.SKIPPED, detail="drained already, before the wait"
         )
     else:
-        failure = proc.hooks(ResetStep.DRAIN, prepared.drain, "reset_drain", stop_on_failure=True)
+        failure = proc.hooks(ResetStep.DRAIN)
         if failure is not None:
             return proc.abort(ResetStep.DRAIN, failure)
     return None

@@ -166,10 +166,8 @@ def run_command(
     env: Mapping[str, str] | None = None,
     scope: CommandScope | None = None,
 ) -> CommandResult:
-    """Run ``argv`` (no shell) in a new session under a keeper (:mod:`gpuwatchd.act.reaper`),
-    under ``timeout`` seconds; nothing it starts outlives it (docs/internals.md). ``env`` is
-    the complete environment (None: the daemon's), less ``PYTHON*``, plus a fresh
-    ``GPUWATCHD_COMMAND_ID``."""
+    """Run ``argv`` (no shell) under a keeper within ``timeout`` seconds (docs/internals.md);
+    ``env``: the complete environment (None: the daemon's)."""
     args = tuple(argv)
     started = time.monotonic()
     if not args:
@@ -183,10 +181,10 @@ def run_command(
     }
     child_env[COMMAND_ID_VARIABLE] = marker.partition("=")[2]
     status_read, status_write = os.pipe()
-    keeper = [sys.executable, "-I", "-S", KEEPER_FILE, str(status_write), repr(timeout), "--"]
+    keeper_argv = [sys.executable, "-I", "-S", KEEPER_FILE, str(status_write), repr(timeout), "--"]
     try:
         proc = subprocess.Popen(
-            [*keeper, *args],
+            [*keeper_argv, *args],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -204,20 +202,13 @@ def run_command(
         )
     finally:
         os.close(status_write)
-    tail = _Tail(OUTPUT_LIMIT)
     deadline = started + timeout + _KEEPER_MARGIN
     try:
-        report, keeper_error = _supervise(
-            proc,
-            deadline,
-            tail,
-            marker=marker.encode("ascii"),
-            status_fd=status_read,
-            scope=scope,
-        )
+        keeper = _Keeper(proc, _Tail(OUTPUT_LIMIT), status_read)
+        report, keeper_error = _supervise(keeper, deadline, marker.encode("ascii"), scope)
     finally:
         os.close(status_read)
-    return _result(args, report, keeper_error, tail, time.monotonic() - started)
+    return _result(args, report, keeper_error, keeper.tail, time.monotonic() - started)
 
 
 def _result(
@@ -274,25 +265,18 @@ class _Keeper:
             self.reported = True  # the keeper closed it: the command has ended
         elif what == "cancel":  # once: unregistered here
             selector.unregister(fileobj)
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)  # the keeper kills the tree
+            _stop_keeper(self.proc)  # the keeper kills the tree
         elif what == "exit":
             selector.unregister(fileobj)
 
 
 def _supervise(
-    proc: subprocess.Popen[bytes],
-    deadline: float,
-    tail: _Tail,
-    *,
-    marker: bytes,
-    status_fd: int,
-    scope: CommandScope | None,
+    keeper: _Keeper, deadline: float, marker: bytes, scope: CommandScope | None
 ) -> tuple[Mapping[str, object], str | None]:
     """Collect output and the keeper's report until the keeper exits, cancel it when asked:
     (the report, an error of our own). A keeper still there ``_KEEPER_MARGIN`` seconds after
     the deadline, or without a report, is ended here (:func:`_kill_keeper`)."""
-    keeper = _Keeper(proc, tail, status_fd)
+    proc, status_fd = keeper.proc, keeper.status_fd
     error: str | None = None
     pidfd: int | None = None
     with contextlib.suppress(OSError):
@@ -316,7 +300,7 @@ def _supervise(
             for key, _events in selector.select(wait):
                 keeper.handle(key, selector)
         if keeper.pipe_open:
-            _drain(keeper.pipe.fileno(), tail, _DRAIN_GRACE)
+            _drain(keeper.pipe.fileno(), keeper.tail, _DRAIN_GRACE)
     _read_status(status_fd, keeper.status)
     keeper.pipe.close()
     if pidfd is not None:

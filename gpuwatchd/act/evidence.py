@@ -153,9 +153,7 @@ def process_trees(snapshot: Snapshot, pids: list[int]) -> list[dict[str, object]
         ancestors: list[dict[str, object]] = []
         seen = {pid}
         parent = None if info is None else info.ppid
-        while parent is not None and parent > 0 and parent not in seen:
-            if len(ancestors) >= MAX_ANCESTORS:
-                break
+        while parent is not None and 0 < parent not in seen and len(ancestors) < MAX_ANCESTORS:
             seen.add(parent)
             up = table.get(parent)
             ancestors.append(_absent(parent) if up is None else _node(up))
@@ -207,18 +205,12 @@ def _target_only(report: object, step: Step) -> object:
     if not isinstance(report, dict) or step.gpu is None:
         return report
     scope = {u for u in (step.gpu, step.instance_uuid) if u is not None}
-    gpus = report.get("gpus")
-    findings = report.get("findings")
-    return {
-        **report,
-        "gpus": [g for g in gpus if isinstance(g, dict) and g.get("uuid") in scope]
-        if isinstance(gpus, list)
-        else gpus,
-        "findings": [f for f in findings if isinstance(f, dict) and f.get("gpu") in scope]
-        if isinstance(findings, list)
-        else findings,
-        "node_holders": [],
-    }
+    kept = dict(report)
+    for key, name in (("gpus", "uuid"), ("findings", "gpu")):
+        entries = kept[key] = report.get(key)
+        if isinstance(entries, list):
+            kept[key] = [e for e in entries if isinstance(e, dict) and e.get(name) in scope]
+    return {**kept, "node_holders": []}
 
 
 def _cut_down(doc: dict[str, object], step: Step) -> Iterator[dict[str, object]]:
@@ -246,10 +238,8 @@ def _encode(doc: Mapping[str, object]) -> bytes | None:
 
 @dataclass(eq=False)
 class EvidenceKeeper:
-    """Writes the evidence files of one daemon into its state directory.
-
-    ``folder`` gives the open state directory (None when it cannot be used); ``report``
-    builds the ``scan --json`` document (None: the file holds no report, saying so)."""
+    """Writes one daemon's evidence files: ``folder`` gives the open state directory (None when
+    unusable); ``report`` builds the ``scan --json`` document (None: the file says it has none)."""
 
     folder: Callable[[], EvidenceFolder | None]
     report: ReportBuilder | None

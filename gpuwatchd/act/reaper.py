@@ -112,14 +112,6 @@ def _become_subreaper() -> str | None:
     return None
 
 
-def _linger() -> None:
-    """After the command exited: wait while what it left running ends by itself (reaping it);
-    the deadline or the daemon's SIGTERM ends the wait with a :class:`_Stop`."""
-    with contextlib.suppress(ChildProcessError):
-        while True:
-            os.waitpid(-1, 0)
-
-
 def main(argv: list[str]) -> int:
     status_fd, timeout, command = int(argv[1]), float(argv[2]), argv[4:]
     os.set_inheritable(status_fd, False)  # the command never sees it
@@ -159,7 +151,11 @@ def main(argv: list[str]) -> int:
                 null = os.open(os.devnull, os.O_RDWR)
                 os.dup2(null, 1)  # the command's output pipe closes once they close it too
                 os.dup2(null, 2)
-                _linger()
+                # Reap what it left running as it ends by itself, until the deadline or the
+                # daemon's SIGTERM ends the wait with a _Stop.
+                with contextlib.suppress(ChildProcessError):
+                    while True:
+                        os.waitpid(-1, 0)
     except _Stop as stopped:
         if status_fd >= 0:
             report[stopped.args[0]] = True

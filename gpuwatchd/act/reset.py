@@ -10,7 +10,7 @@ import types
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field, replace
 
-from gpuwatchd.act.commands import CommandResult, PreparedHook, run_command, run_hooks
+from gpuwatchd.act.commands import CommandResult, run_command, run_hooks
 from gpuwatchd.act.reset_target import (
     UNRECORDED,
     CommandRunner,
@@ -60,8 +60,7 @@ def _instance_fields(target: ResetTarget) -> dict[str, object]:
 def _finished(
     env: ResetEnvironment, target: ResetTarget, outcome: ResetOutcome, dry_run: bool, level: Level
 ) -> ResetOutcome:
-    """Say ``EventName.RESET_FINISHED`` for ``outcome`` (critical when it needs a reboot); the
-    outcome."""
+    """``EventName.RESET_FINISHED`` said (critical when it needs a reboot); ``outcome``."""
     env.emit(
         EventName.RESET_FINISHED,
         Level.CRITICAL if outcome.needs_reboot else level,
@@ -138,6 +137,16 @@ class Procedure:
             **fields,
         )
 
+    def ended(self, step: ResetStep, failures: Sequence[str], done: str, **fields: object) -> None:
+        """The step's ``failed`` event (a warning) naming ``failures``, else its ``ok`` one."""
+        self.event(
+            step,
+            ResetStepStatus.FAILED if failures else ResetStepStatus.OK,
+            level=Level.WARNING if failures else Level.INFO,
+            **fields,
+            detail="; ".join(failures) or done,
+        )
+
     def command(self, step: ResetStep, argv: tuple[str, ...]) -> CommandResult | None:
         """Run ``argv`` for ``step`` (None in dry-run) and emit the step's event."""
         if self.dry_run:
@@ -155,16 +164,14 @@ class Procedure:
         )
         return result
 
-    def hooks(
-        self,
-        step: ResetStep,
-        hooks: Sequence[PreparedHook],
-        event: str,
-        *,
-        stop_on_failure: bool,
-        extra: Mapping[str, object] = EMPTY_ENV,
-    ) -> str | None:
-        """Run the hooks of ``step``; the first failure's description, or None."""
+    def hooks(self, step: ResetStep, extra: Mapping[str, object] = EMPTY_ENV) -> str | None:
+        """Run the hooks of ``step`` (every after hook; the drain and before hooks up to the
+        first failure): the first failure's description, or None."""
+        hooks, event = {
+            ResetStep.DRAIN: (self.commands.drain, "reset_drain"),
+            ResetStep.BEFORE_HOOKS: (self.commands.before, "reset_before"),
+            ResetStep.AFTER_HOOKS: (self.commands.after, "reset_after"),
+        }[step]
         if not hooks:
             self.event(step, ResetStepStatus.SKIPPED, detail="no hooks configured")
             return None
@@ -185,51 +192,37 @@ class Procedure:
             ),
         }
         # filled in already: the hooks recorded, or to be
+        stop_on_failure = step is not ResetStep.AFTER_HOOKS
         results = run_hooks(hooks, env=env, stop_on_failure=stop_on_failure, runner=self.runner)
         failures = [
             f"hook {list(r.argv)!r} failed: {r.describe()}{quote_output(r.output)}"
             for r in results
             if not r.ok
         ]
-        self.event(
-            step,
-            ResetStepStatus.FAILED if failures else ResetStepStatus.OK,
-            level=Level.WARNING if failures else Level.INFO,
-            hooks=[list(r.argv) for r in results],
-            detail="; ".join(failures) if failures else f"{len(results)} hook(s) ran",
-        )
+        ran = [list(r.argv) for r in results]
+        self.ended(step, failures, f"{len(results)} hook(s) ran", hooks=ran)
         return failures[0] if failures else None
 
-    def persistence_back_on(self) -> None:
-        """Persistence mode back on, when this procedure turned it off (and not yet back)."""
+    def persistence_back_on(self) -> bool:
+        """Persistence mode back on if this procedure turned it off (not back yet): True if so."""
         if not self.persistence_off or self.commands.persistence_on is None:
-            return
+            return False
         self.begin(ResetStep.PERSISTENCE_ON)
         done = self.command(ResetStep.PERSISTENCE_ON, self.commands.persistence_on)
         if done is not None and not done.ok:
             self.notes.append(f"persistence mode could not be turned back on: {done.describe()}")
         else:
             self.persistence_off = False  # restored: a resume must not do it again
+        return True
 
     def restore(self, result: ResetResult, reason: str) -> None:
         """Persistence mode back on (if this procedure turned it off), then the after hooks."""
-        if self.persistence_off and self.commands.persistence_on is not None:
-            self.persistence_back_on()
-        else:
-            self.event(
-                ResetStep.PERSISTENCE_ON,
-                ResetStepStatus.SKIPPED,
-                detail="persistence mode not changed",
-            )
+        if not self.persistence_back_on():
+            detail = "persistence mode not changed"
+            self.event(ResetStep.PERSISTENCE_ON, ResetStepStatus.SKIPPED, detail=detail)
         _start_monitors(self)
         self.begin(ResetStep.AFTER_HOOKS)
-        failure = self.hooks(
-            ResetStep.AFTER_HOOKS,
-            self.commands.after,
-            "reset_after",
-            stop_on_failure=False,
-            extra={"result": result, "reason": reason},
-        )
+        failure = self.hooks(ResetStep.AFTER_HOOKS, {"result": result, "reason": reason})
         if failure is not None:
             self.notes.append(failure)
 
@@ -245,12 +238,11 @@ class Procedure:
         undo: bool = False,
     ) -> ResetOutcome:
         """End with ``result``; ``undo``: recorded as the reset's result and undone first."""
+        self.result = result
         if undo:
-            self.result = result
             self.restore(result, reason)
         if self.notes:
             reason = f"{reason}; " + "; ".join(self.notes)
-        self.result = result
         self.begin(ResetStep.DONE)
         level = _FINISHED_LEVELS.get(ResetResult(result), Level.ERROR)
         outcome = ResetOutcome(result, step, reason, needs_reboot, command, tuple(blockers))
@@ -343,26 +335,18 @@ def perform_reset(
         drained=drained,
         fabric_wait=fabric_wait,
     )
-    stopped = _up_to_final_scan(proc)
-    if stopped is not None:
-        return stopped
-    return _reset_and_check(proc)
+    return _up_to_final_scan(proc) or _reset_and_check(proc)
 
 
 def _up_to_final_scan(proc: Procedure) -> ResetOutcome | None:
     """Steps drain to final_scan; an outcome when the procedure stopped (and was undone)."""
-    target, env, prepared = proc.target, proc.env, proc.commands
-    if (stopped := _drain(proc)) is not None:
-        return stopped
-
-    if (stopped := _stop_nvml(proc)) is not None:
+    target, env = proc.target, proc.env
+    if (stopped := _drain(proc) or _stop_nvml(proc)) is not None:
         return stopped
 
     if not proc.begin(ResetStep.BEFORE_HOOKS):
         return proc.abort(ResetStep.BEFORE_HOOKS, UNRECORDED)
-    failure = proc.hooks(
-        ResetStep.BEFORE_HOOKS, prepared.before, "reset_before", stop_on_failure=True
-    )
+    failure = proc.hooks(ResetStep.BEFORE_HOOKS)
     if failure is not None:
         return proc.abort(ResetStep.BEFORE_HOOKS, failure)
 
@@ -403,7 +387,7 @@ def _drain(proc: Procedure) -> ResetOutcome | None:
             ResetStep.DRAIN, ResetStepStatus.SKIPPED, detail="drained already, before the wait"
         )
     else:
-        failure = proc.hooks(ResetStep.DRAIN, prepared.drain, "reset_drain", stop_on_failure=True)
+        failure = proc.hooks(ResetStep.DRAIN)
         if failure is not None:
             return proc.abort(ResetStep.DRAIN, failure)
     return None
@@ -411,16 +395,15 @@ def _drain(proc: Procedure) -> ResetOutcome | None:
 
 def _stop_nvml(proc: Procedure) -> ResetOutcome | None:
     """Step stop_nvml: our own NVML worker stopped; an outcome when it could not be."""
-    env, dry_run = proc.env, proc.dry_run
     if not proc.begin(ResetStep.STOP_NVML):
         return proc.abort(ResetStep.STOP_NVML, UNRECORDED)
-    if dry_run:
+    if proc.dry_run:
         proc.event(
             ResetStep.STOP_NVML, ResetStepStatus.WOULD_RUN, detail="would stop the NVML worker"
         )
     else:
         try:
-            released = env.stop_nvml()
+            released = proc.env.stop_nvml()
         except Exception as err:  # an error here means "not released"
             released = False
             proc.notes.append(f"stopping NVML raised: {err}")
@@ -577,13 +560,7 @@ def _stop_monitors(proc: Procedure) -> tuple[ResetOutcome | None, frozenset[int]
     processes = [m for m in found if m.entry.unit is None]
     if not failures and processes:
         failures = proc.env.stop_monitors(proc.target, processes, proc.policy.timeout)
-    proc.event(
-        step,
-        ResetStepStatus.FAILED if failures else ResetStepStatus.OK,
-        level=Level.WARNING if failures else Level.INFO,
-        monitors=monitors,
-        detail="; ".join(failures) or "stopped " + ", ".join(monitors),
-    )
+    proc.ended(step, failures, "stopped " + ", ".join(monitors), monitors=monitors)
     if failures:
         reason = "a monitor could not be stopped: " + "; ".join(failures)
         return proc.abort(step, reason), frozenset()
@@ -599,13 +576,8 @@ def _start_monitors(proc: Procedure) -> None:
     proc.begin(step)
     failures = _systemctl(proc, "start", proc.units_stopped)
     proc.notes.extend(f"a monitor could not be started again: {f}" for f in failures)
-    proc.event(
-        step,
-        ResetStepStatus.FAILED if failures else ResetStepStatus.OK,
-        level=Level.WARNING if failures else Level.INFO,
-        units=list(proc.units_stopped),
-        detail="; ".join(failures) or f"{len(proc.units_stopped)} unit(s) started",
-    )
+    started = f"{len(proc.units_stopped)} unit(s) started"
+    proc.ended(step, failures, started, units=list(proc.units_stopped))
     proc.units_stopped = []  # done: a resume must not start them again
 
 
@@ -613,8 +585,7 @@ def _start_monitors(proc: Procedure) -> None:
 
 
 def half_done(recovery: InstanceRecovery, ran: Sequence[Sequence[str]], why: str) -> str:
-    """The reason of a recovery left half done: what ran (the commands that completed), and
-    what to do by hand."""
+    """Why a recovery is left half done, what completed, and what to do by hand."""
     done = "; ".join(shlex.join(argv) for argv in ran) or "nothing that completed"
     return (
         f"{why}; {recovery.describe()} is half done (ran: {done}): "
@@ -644,11 +615,9 @@ def _check_instance(
 
 
 def run_recovery(proc: Procedure, start: int = 0, *, resumed: bool = False) -> Ran:
-    """Run ``proc``'s recovery commands from ``start`` until one fails: (the last result, None
-    when none ran or in a dry run; its reading). Only the first command of a fresh run may end
-    ``in_use`` (nothing changed then). ``resumed``: a crash interrupted them, and a destroy
-    command may already have taken effect, so its failure is no proof of anything; the reading
-    before the re-create decides."""
+    """``proc``'s recovery commands from ``start`` until one fails (docs/internals.md): the last
+    result (None when none ran, or a dry run) and its reading. ``resumed``: a destroy may have
+    taken effect before the crash, so its failure proves nothing; the re-read decides."""
     recovery = proc.target.recovery
     assert recovery is not None  # noqa: S101 - called for a recovery only
     commands = proc.commands.reset
@@ -699,12 +668,10 @@ def run_recovery(proc: Procedure, start: int = 0, *, resumed: bool = False) -> R
 
 
 def restore_layout(proc: Procedure) -> tuple[bool | None, str]:
-    """After a MIG GPU's reset (``proc.target.layout``): the GPU read again (MIG mode must be
-    on), each GPU instance it lacks created again by its command (``proc.commands.restore``),
-    progress recorded before each, then each instance checked back (GI profile, placement,
-    listed in mig-minors, memory at its baseline). (True, detail) when the layout is back;
-    (False, why, naming the commands left to run by hand); (None, ...) in a dry run. Run
-    again after a crash, it creates only what a fresh reading still lacks."""
+    """After a MIG GPU's reset, the GPU instances a fresh reading lacks created again (MIG mode
+    must be on), each recorded first, then each checked back (docs/internals.md). (True,
+    detail) when the layout is back; (False, why and the commands left to run by hand); (None,
+    ...) in a dry run."""
     layout, restore, step = proc.target.layout, proc.commands.restore, ResetStep.HEALTH_CHECK
     if proc.dry_run:
         for argv in restore:

@@ -112,7 +112,8 @@ def resume_interrupted(
         return ResetOutcome(ResetResult.FAILED, ResetStep.DONE, read, False, None, ())
     step, target, commands = read
 
-    proc = _procedure_from(record, target, reset, env, commands, runner=runner)
+    proc = Procedure(target, reset, env, commands, dry_run=False, hook_env=EMPTY_ENV, runner=runner)
+    _progress_from(proc, record)
     proc.fabric_wait = fabric_wait
     env.emit(
         EventName.RESET_RESUMED,
@@ -149,19 +150,10 @@ def resume_interrupted(
     return proc.finish(proc.result, ResetStep.DONE, reason, undo=True)
 
 
-def _procedure_from(
-    record: Mapping[str, object],
-    target: ResetTarget,
-    reset: ResetPolicy,
-    env: ResetEnvironment,
-    commands: Commands,
-    *,
-    runner: CommandRunner,
-) -> Procedure:
-    """The interrupted reset's procedure as the record left it: whether persistence mode was
+def _progress_from(proc: Procedure, record: Mapping[str, object]) -> None:
+    """The interrupted reset's progress as the record left it: whether persistence mode was
     turned off, the monitors' units stopped, whether the reset command started, its result."""
-    proc = Procedure(target, reset, env, commands, dry_run=False, hook_env=EMPTY_ENV, runner=runner)
-    if not commands.reset:
+    if not proc.commands.reset:
         proc.recorded = None  # none built: a crash now leaves the record to be read as today
     proc.persistence_off = record.get("persistence_off") is True
     units = record.get("units_stopped")
@@ -172,7 +164,6 @@ def _procedure_from(
     # An unknown recorded result is no result: the GPU is checked again below.
     known = isinstance(result, str) and result in {r.value for r in ResetResult}
     proc.result = ResetResult(result) if known else None
-    return proc
 
 
 def _check_after_reset(proc: Procedure, interrupted: str) -> ResetOutcome:
@@ -193,9 +184,8 @@ def _check_after_reset(proc: Procedure, interrupted: str) -> ResetOutcome:
 
 
 def _resume_recovery(proc: Procedure, recovery: InstanceRecovery, done: int | None) -> ResetOutcome:
-    """Go on with a MIG recovery a crash interrupted during its commands, ``done`` of them
-    completed (None: a record from before they were counted), after reading the GPU again
-    (docs/internals.md, section ``gpuwatchd.act.reset_resume``)."""
+    """Go on with a MIG recovery interrupted during its commands, ``done`` of them completed
+    (None: not counted), after reading the GPU again (docs/internals.md)."""
     commands = proc.commands.reset
     total = len(commands)
     if done is not None and not 0 <= done <= total:

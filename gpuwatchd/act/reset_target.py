@@ -367,9 +367,8 @@ class CommandRunner(Protocol):
 def progress_record(
     target: ResetTarget, step: ResetStep, data: Mapping[str, object]
 ) -> dict[str, object]:
-    """The JSON-able record the state file keeps for a reset in progress (its fields:
-    docs/internals.md, section ``gpuwatchd.act.reset_target``), which
-    :func:`resume_interrupted` reads back."""
+    """The record the state file keeps for a reset in progress (its fields: docs/internals.md),
+    read back by :func:`resume_interrupted`."""
     record: dict[str, object] = {
         **fields_of(target, ("uuid", "pci_bus_id", "minor", "persistence_was_on")),
         "step": step.value,
@@ -387,8 +386,7 @@ def progress_record(
 def outcome_event(
     outcome: ResetOutcome, *, gpu: str, pci_bus_id: str | None, dry_run: bool
 ) -> tuple[Level, dict[str, object]]:
-    """The level and fields of the ``EventName.RESET_OUTCOME`` event (the daemon's and
-    simulate's)."""
+    """The level and fields of ``EventName.RESET_OUTCOME`` (the daemon's and simulate's)."""
     result = ResetResult(outcome.result)
     level = Level.CRITICAL if outcome.needs_reboot else RESET_RESULT_LEVELS[result]
     return level, {

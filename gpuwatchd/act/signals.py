@@ -53,11 +53,9 @@ def _signal_number(name: str) -> int | None:
 
 
 class Signaller:
-    """Sends signals through pidfds and waits on them. One per daemon; not thread-safe. The
-    pidfds of processes signalled (or checked in dry-run) are kept until :meth:`wait` reports
-    their exit, or :meth:`forget` / :meth:`close`. ``as_judged``: what of the facts the
-    process was judged on reads otherwise now (None: nothing), e.g.
-    :meth:`gpuwatchd.collect.collector.Collector.as_judged`; a change sends nothing."""
+    """Sends signals through pidfds and waits on them; one per daemon, not thread-safe. A pidfd
+    is kept until :meth:`wait` reports its exit, or :meth:`forget` / :meth:`close`.
+    ``as_judged``: :meth:`gpuwatchd.collect.collector.Collector.as_judged` (docs/internals.md)."""
 
     def __init__(
         self,
@@ -113,10 +111,10 @@ class Signaller:
 
         # The pidfd is open: the process it names cannot change any more. Now check that it
         # is the one that was judged.
-        checked = self._recheck(identity, pidfd)
-        if isinstance(checked, SignalResult):
-            return checked
-        state = checked
+        state = self._recheck(identity, pidfd)
+        if isinstance(state, SignalResult):
+            self._drop(identity, pidfd)
+            return state
 
         try:
             send_signal(pidfd, 0 if dry_run else number)
@@ -161,7 +159,6 @@ class Signaller:
             os.close(fd)
 
     def close(self) -> None:
-        """Close every kept pidfd."""
         for identity in list(self._kept):
             self.forget(identity)
 
@@ -181,20 +178,17 @@ class Signaller:
 
     def _recheck(self, identity: ProcessIdentity, pidfd: int) -> SignalResult | str:
         """Whether the process ``pidfd`` names is the one ``identity`` names, alive and as it
-        was judged: its state letter when it is; else why not (its pidfd then dropped)."""
+        was judged: its state letter when it is; else why not (the caller drops its pidfd)."""
         pid = identity.pid
         current = stat_start_ticks(self._proc_root, pid)
         if current is None:
-            exited = _readable(pidfd)  # the pidfd, not an unread stat, says whether it lives
-            self._drop(identity, pidfd)
-            if exited:
+            if _readable(pidfd):  # the pidfd, not an unread stat, says whether it lives
                 return SignalResult(SignalOutcome.GONE, f"PID {pid} vanished from /proc")
             return SignalResult(
                 SignalOutcome.FAILED, f"PID {pid}: its /proc stat is unreadable; nothing sent"
             )
         ticks, state = current
         if ticks != identity.start_ticks:
-            self._drop(identity, pidfd)
             return SignalResult(
                 SignalOutcome.REUSED,
                 f"PID {pid} now belongs to another process (start ticks {ticks}, "
@@ -202,14 +196,11 @@ class Signaller:
                 state,
             )
         if state == "Z":
-            self._drop(identity, pidfd)
             return SignalResult(SignalOutcome.ZOMBIE, _zombie_detail(pid), state)
         if state in ("X", "x"):
-            self._drop(identity, pidfd)
             return SignalResult(SignalOutcome.GONE, f"PID {pid} is dead", state)
         changed = None if self._as_judged is None else self._as_judged(identity)
         if changed is not None:
-            self._drop(identity, pidfd)
             return SignalResult(
                 SignalOutcome.REUSED,
                 f"PID {pid} is no longer as it was judged ({changed} changed); nothing sent, "

@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from gpuwatchd.collect.devwatch import DeviceWatch, WatchNews
-from gpuwatchd.collect.holders import HolderScanner
 from gpuwatchd.collect.inherit import InheritanceProbe, absent_leaders
 from gpuwatchd.collect.jobs import judge_jobs
 from gpuwatchd.collect.kernel_log import KernelLog
@@ -84,7 +83,7 @@ class _Poll:
     now: float
     listed: frozenset[int]
     self_pids: frozenset[int]
-    scanner: HolderScanner
+    news: WatchNews | None  # the device watch's, drained after the NVML read
 
 
 @dataclass
@@ -100,7 +99,6 @@ class Collector:
     namespace_check: bool = True
     cgroup_root: str | None = None  # the cgroup v2 mount, for jobs.ended_jobs
     detection: Detection = field(default_factory=Detection)
-    holders: HolderScanner | None = None  # None: procfs.holders
     # The daemon's inotify watch on the device files (None: not watched, e.g. `scan`); while it
     # works, the periodic walk waits for `backstop` seconds (None: full_scan_interval).
     watch: DeviceWatch | None = None
@@ -140,9 +138,6 @@ class Collector:
         news = self.watch.drain() if self.watch is not None else None
         now = self.clock()
         listed = listed_pids(reading)
-        # Nothing remembered (the first poll, a one-shot scan): every fact below is read now,
-        # so a full scan need not read the listed processes a second time.
-        fresh = not self._facts
         self._facts_seen = {}
         live_listed = self._read_processes(listed)
         poll = _Poll(
@@ -150,29 +145,15 @@ class Collector:
             now=now,
             listed=listed,
             self_pids=frozenset({os.getpid()}) | self.nvml.worker_pids | self.daemon_pids,
-            scanner=self.holders if self.holders is not None else self.procfs.holders,
+            news=news,
         )
-        holders, live_listed = _scan_holders(self, poll, live_listed, news, full=full, fresh=fresh)
+        holders, live_listed = _scan_holders(self, poll, live_listed, full=full)
         holding_pids = _note_holders(self, poll, holders)
         wanted = holding_pids | set(holders.unreadable)
         processes = _processes_of(self, poll, live_listed, wanted)
         return _snapshot(
             self, poll, holders, live_listed, processes=processes, holding_pids=holding_pids
         )
-
-    def _say_thread_tables_unread(self, holders: HolderScan, scanner: HolderScanner) -> None:
-        """``EventName.COLLECT_THREAD_TABLES_UNREAD`` once per process the scan stopped reading."""
-        root = self.procfs.root
-        said = {pid for pid in self._said_unread if os.path.exists(f"{root}/{pid}")}
-        for pid in sorted(holders.thread_tables_unread - said):
-            info = self._facts_seen.get(pid) or self.procfs.read_process(pid)
-            log.warning(
-                EventName.COLLECT_THREAD_TABLES_UNREAD,
-                pid=pid,
-                comm=None if info is None else info.comm,
-                budget=scanner.thread_table_budget,
-            )
-        self._said_unread = frozenset(said | holders.thread_tables_unread)
 
     def _stepd_identity(self, pid: int) -> tuple[int | None, bool | None] | None:
         """(start ticks, root's trusted program?) of a process in a job's slurm cgroup."""
@@ -187,11 +168,9 @@ class Collector:
         return info.start_ticks, trusted
 
     def as_judged(self, identity: ProcessIdentity) -> str | None:
-        """Which facts the rules judge (user, comm, command line, exe, cgroup) of a process about
-        to be signalled read otherwise now than in the last snapshot, which may have reused them
-        (a move to another cgroup or a command line rewritten without an exec): None when none
-        does, or when the snapshot had no facts of it. A change drops the remembered facts, so
-        the next poll judges the process on what it is now."""
+        """Which facts the rules judge (:data:`_JUDGED`) of a process about to be signalled read
+        otherwise now than in the last snapshot (docs/internals.md), or None (also without facts
+        of it). A change drops the remembered facts: the next poll judges the process afresh."""
         judged = self._facts.get(identity.pid)
         if judged is None or judged.start_ticks != identity.start_ticks:
             return None
@@ -218,31 +197,17 @@ class Collector:
         self._scan_state = FullScanState(last_full=self.clock(), dead_listed=dead_listed)
 
     def _full_scan(
-        self,
-        scanner: HolderScanner,
-        listed: frozenset[int],
-        reading: NvmlReading,
-        read_now: dict[int, ProcessInfo] | None = None,
+        self, poll: _Poll, read_now: dict[int, ProcessInfo] | None = None
     ) -> tuple[HolderScan, dict[int, ProcessInfo]]:
         """Scan all of /proc with no remembered fact or holding kept; ``read_now``: the listed
         processes' facts when this poll read them all afresh (else they are read again)."""
         self._facts, self._facts_seen, self._held = {}, {}, {}
+        listed = poll.listed
         live_listed = self.procfs.read_processes(listed) if read_now is None else dict(read_now)
         self._facts_seen.update(live_listed)
-        holders = scanner.scan(None)
-        self._remember_holdings(holders, listed_gpus(reading), live_listed)
+        holders = self.procfs.holders.scan(None)
+        self._remember_holdings(holders, listed_gpus(poll.reading), live_listed)
         return holders, live_listed
-
-    def _add_ancestry(self, processes: dict[int, ProcessInfo]) -> None:
-        """Read each known process's ancestors so process-tree questions can be answered."""
-        frontier = [p.ppid for p in processes.values() if p.ppid]
-        for _ in range(_MAX_ANCESTRY):
-            wanted = {pid for pid in frontier if pid and pid > 0 and pid not in processes}
-            if not wanted:
-                return
-            found = self._read_processes(wanted)
-            processes.update(found)
-            frontier = [p.ppid for p in found.values() if p.ppid]
 
     def _read_processes(self, pids: Iterable[int]) -> dict[int, ProcessInfo]:
         """Facts about ``pids``: ``stat`` read now; the rest reused while stat's identity holds."""
@@ -278,14 +243,10 @@ class Collector:
         return info
 
     def _targeted_scan(
-        self,
-        scanner: HolderScanner,
-        targets: list[int],
-        reading: NvmlReading,
-        live_listed: dict[int, ProcessInfo],
+        self, poll: _Poll, targets: list[int], live_listed: dict[int, ProcessInfo]
     ) -> HolderScan:
         """Scan ``targets``, reusing the holdings of listed processes whose view is unchanged."""
-        gpus_of = listed_gpus(reading)
+        gpus_of = listed_gpus(poll.reading)
         reused: dict[int, DeviceHolding | None] = {}
         for pid in targets:
             held = self._held.get(pid)
@@ -298,7 +259,7 @@ class Collector:
                 and held.signature == _signature_of_info(info)
             ):
                 reused[pid] = held.holding
-        scan = scanner.scan([pid for pid in targets if pid not in reused])
+        scan = self.procfs.holders.scan([pid for pid in targets if pid not in reused])
         if reused:
             kept = {pid: h for pid, h in reused.items() if h is not None}
             scan = dataclasses.replace(scan, holdings={**scan.holdings, **kept})
@@ -323,13 +284,7 @@ class Collector:
 
 
 def _scan_holders(
-    c: Collector,
-    poll: _Poll,
-    live_listed: dict[int, ProcessInfo],
-    news: WatchNews | None,
-    *,
-    full: bool,
-    fresh: bool,
+    c: Collector, poll: _Poll, live_listed: dict[int, ProcessInfo], *, full: bool
 ) -> tuple[HolderScan, dict[int, ProcessInfo]]:
     """The device files' holders: all of /proc when the full-scan rule says so, else the
     targeted scan (and all of /proc after all when a known holder is gone)."""
@@ -339,33 +294,45 @@ def _scan_holders(
         detection=c.detection,
         forced=full,
         held_minors=c._held_minors,
-        watching=news is not None and news.available,
-        device_changed=news is not None and news.changed,
+        watching=poll.news is not None and poll.news.available,
+        device_changed=poll.news is not None and poll.news.changed,
         backstop=c.backstop,
     )  # fmt: skip
     c.last_scan_reason = reason
-    scanner, listed, reading, self_pids = poll.scanner, poll.listed, poll.reading, poll.self_pids
+    self_pids = poll.self_pids
     if reason is not None:
-        return c._full_scan(scanner, listed, reading, live_listed if fresh else None)
+        # Nothing remembered (the first poll, a one-shot scan): every fact was read this poll,
+        # so a full scan need not read the listed processes a second time.
+        return c._full_scan(poll, None if c._facts else live_listed)
     # Descendants of every known holder, not only of listed ones: a holder's fork
     # inherits its files without opening anything (no inotify event).
-    targets = set(listed) | set(c._known_holders)
+    targets = set(poll.listed) | set(c._known_holders)
     files = c._stat_files
     targets |= c.procfs.descendants(targets, None if files is None else files.children)
-    holders = c._targeted_scan(scanner, sorted(targets - self_pids), reading, live_listed)
+    holders = c._targeted_scan(poll, sorted(targets - self_pids), live_listed)
     found = frozenset(holders.holdings) - self_pids
     if (reason := holder_gone(c._known_holders - self_pids, found)) is not None:
         c.last_scan_reason = reason
         c._scan_state = dataclasses.replace(c._scan_state, last_full=poll.now)
-        return c._full_scan(scanner, listed, reading)
+        return c._full_scan(poll)
     return holders, live_listed
 
 
 def _note_holders(c: Collector, poll: _Poll, holders: HolderScan) -> set[int]:
-    """Remember this poll's holders for the next one; the holding PIDs (not our own)."""
+    """Remember this poll's holders for the next one; the holding PIDs (not our own).
+    ``EventName.COLLECT_THREAD_TABLES_UNREAD`` said once per process the scan stopped reading."""
     holding_pids = {pid for pid in holders.holdings if pid not in poll.self_pids}
     c._known_holders = frozenset(holding_pids)
-    c._say_thread_tables_unread(holders, poll.scanner)
+    said = {pid for pid in c._said_unread if os.path.exists(f"{c.procfs.root}/{pid}")}
+    for pid in sorted(holders.thread_tables_unread - said):
+        info = c._facts_seen.get(pid) or c.procfs.read_process(pid)
+        log.warning(
+            EventName.COLLECT_THREAD_TABLES_UNREAD,
+            pid=pid,
+            comm=None if info is None else info.comm,
+            budget=c.procfs.holders.thread_table_budget,
+        )
+    c._said_unread = frozenset(said | holders.thread_tables_unread)
     # An NVML-only holder (no nvidia-uvm, not listed: a monitor) holds no memory, so
     # memory beside it still asks for a full scan (decide/plan/monitors.py).
     c._held_minors = frozenset(
@@ -380,11 +347,18 @@ def _note_holders(c: Collector, poll: _Poll, holders: HolderScan) -> set[int]:
 def _processes_of(
     c: Collector, poll: _Poll, live_listed: dict[int, ProcessInfo], wanted: set[int]
 ) -> dict[int, ProcessInfo]:
-    """The snapshot's processes: the listed ones, ``wanted`` and their ancestors, never our
-    own; the facts read this poll are remembered for the next."""
+    """The snapshot's processes: the listed ones, ``wanted`` and their ancestors (for process
+    trees), never our own; the facts read this poll are remembered for the next."""
     processes = dict(live_listed)
     processes.update(c._read_processes(wanted - processes.keys() - poll.self_pids))
-    c._add_ancestry(processes)
+    found = processes
+    for _ in range(_MAX_ANCESTRY):
+        frontier = [p.ppid for p in found.values() if p.ppid]
+        parents = {pid for pid in frontier if pid and pid > 0 and pid not in processes}
+        if not parents:
+            break
+        found = c._read_processes(parents)
+        processes.update(found)
     c._facts = c._facts_seen
     c._confirmed = {pid: got for pid, got in c._confirmed.items() if pid in c._facts}
     if c._stat_files is not None:
@@ -404,10 +378,10 @@ def _snapshot(
     holding_pids: set[int],
 ) -> Snapshot:
     """The snapshot, with the evidence read last: inheritance, jobs, MIG minors, Xids."""
-    reading, scanner = poll.reading, poll.scanner
+    reading = poll.reading
     # Inheritance evidence (collect/inherit.py): kcmp while owners live; lost leaders.
     if c._inheritance is None:
-        c._inheritance = InheritanceProbe(scanner, c.procfs.root)
+        c._inheritance = InheritanceProbe(c.procfs.holders, c.procfs.root)
     marks = {pid: fields.exec_mark for pid, (fields, _info) in c._confirmed.items()}
     file_sharing = c._inheritance.compare(processes, holders, live_listed, marks)
     lost_leaders = absent_leaders(c.procfs.root, processes, holding_pids)

@@ -23,8 +23,6 @@ IN_CREATE = 0x00000100
 IN_Q_OVERFLOW = 0x00004000
 IN_IGNORED = 0x00008000
 IN_ONLYDIR = 0x01000000
-IN_NONBLOCK = os.O_NONBLOCK
-IN_CLOEXEC = os.O_CLOEXEC
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes of name
 _READ_SIZE = 64 * 1024
 
@@ -60,13 +58,12 @@ class DeviceWatch:
         return self._fd is not None and not self._incomplete
 
     def start(self) -> bool:
-        """Create the inotify instance and watch what is there; False when inotify is not
-        usable here (``error`` says why)."""
+        """Create the inotify instance, watch what is there; False (``error`` says why) if not."""
         if self._fd is not None:
             return True
         try:
             libc = ctypes.CDLL(None, use_errno=True)
-            fd = libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+            fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)  # IN_NONBLOCK | IN_CLOEXEC
         except (OSError, AttributeError) as err:
             self.error = f"inotify unavailable: {err}"
             return False
@@ -147,8 +144,7 @@ class DeviceWatch:
     def _watch_present(self, created: Collection[str] = ()) -> int:
         """Watch every device file in the folder not watched yet, and those ``created`` anew
         (a file replaced while the old one is held open keeps its old watch until it is
-        closed, so its name alone does not say the new file is watched); how many were
-        added."""
+        closed: its name alone does not say the new file is watched); how many were added."""
         self._stale = False
         if self._folder_wd is None:
             self._folder_wd = self._add_folder(self.devices_dir)

@@ -8,6 +8,7 @@ In detail: docs/internals.md, section `gpuwatchd.collect.holders`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import stat
@@ -32,6 +33,7 @@ _DEVICE_NAME = re.compile(r"nvidia(\d+)|nvidiactl|nvidia-uvm|(?:nvidia-caps/)?nv
 
 # ("gpu", minor) | ("ctl", 0) | ("uvm", 0) | ("cap", minor)
 _Match = tuple[str, int]
+_ByInode = dict[tuple[bytes, bytes], _Match | None]  # a mapped file's (device, inode) -> match
 
 
 class ProcessTable(Protocol):
@@ -72,10 +74,8 @@ def match_device_name(name: str) -> _Match | None:
 
 
 def lines_containing(data: bytes, markers: tuple[bytes, ...]) -> list[bytes]:
-    """The distinct ``\\n``-separated lines of ``data`` containing any marker. Pure.
-
-    Found without splitting all of ``data`` (a process can have tens of thousands of mappings).
-    """
+    """The distinct ``\\n``-separated lines of ``data`` containing any marker, found without
+    splitting all of it (a process can have tens of thousands of mappings). Pure."""
     starts: set[int] = set()
     for marker in markers:
         at = data.find(marker)
@@ -227,35 +227,26 @@ class DeviceFiles:
         self, base: str, address: str, path: str, inode: bytes
     ) -> tuple[_Match | None, bool]:
         """(what a mapped file is, whether that was proven by device number)."""
-        try:
+        with contextlib.suppress(OSError):
             return self.match_rdev(os.stat(f"{base}/map_files/{address}")), True
-        except OSError:
-            pass
         if not path.endswith(" (deleted)"):
-            try:
+            with contextlib.suppress(OSError):
                 st = os.stat(f"{base}/root{path}")
                 if str(st.st_ino).encode() == inode:
                     return self.match_rdev(st), True
-            except OSError:
-                pass
         if "/dev/" not in path:
             return None, False
         return match_device_name(path.rsplit("/", 1)[-1]), False
 
 
 class HolderScanner:
-    """Finds the holders of NVIDIA device files (``devices``: which files those are) among the
-    processes of ``procfs``; ``devices`` None: the real NVIDIA device files."""
+    """The holders of NVIDIA device files (``devices`` says which) among ``procfs``'s processes."""
 
     def __init__(
-        self,
-        procfs: ProcessTable,
-        devices: DeviceFiles | None = None,
-        *,
-        workers: int | None = None,
+        self, procfs: ProcessTable, devices: DeviceFiles, *, workers: int | None = None
     ) -> None:
         self.procfs = procfs
-        self.devices = DeviceFiles(procfs) if devices is None else devices
+        self.devices = devices
         self.workers = workers  # None: as many as idle CPUs allow (collect/spread.py)
         self.min_slice = spread.MIN_SLICE
         self._kcmp: Kcmp | None = None  # made on first use (in each forked scan worker)
@@ -306,7 +297,7 @@ class HolderScanner:
         fully read are left out); ``tick`` is called after each. Runs in a forked worker or
         here; see :mod:`.spread`."""
         rows: list[spread.Row] = []
-        by_inode: dict[tuple[bytes, bytes], _Match | None] = {}
+        by_inode: _ByInode = {}
         for pid in pids:
             found, denied = self._scan_process(pid, by_inode)
             if tick is not None:
@@ -380,9 +371,7 @@ class HolderScanner:
             kept.append(name)
         return kept, targets
 
-    def _scan_maps(
-        self, base: str, found: _Found, by_inode: dict[tuple[bytes, bytes], _Match | None]
-    ) -> bool:
+    def _scan_maps(self, base: str, found: _Found, by_inode: _ByInode) -> bool:
         """Add what the mappings of the process at ``base`` hold; False when it has none."""
         try:
             data = read_proc_file(f"{base}/maps")
@@ -418,9 +407,7 @@ class HolderScanner:
                 found.add(*what, via_map=True)
         return True
 
-    def _scan_process(
-        self, pid: int, by_inode: dict[tuple[bytes, bytes], _Match | None]
-    ) -> tuple[_Found | None, bool]:
+    def _scan_process(self, pid: int, by_inode: _ByInode) -> tuple[_Found | None, bool]:
         """(what ``pid`` holds, whether part of it was unreadable); (None, False) when gone."""
         base = f"{self.procfs.root}/{pid}"
         found = _Found()
@@ -490,9 +477,7 @@ class HolderScanner:
                 tables.insert(place[0], tid)
         return complete
 
-    def _scan_live_thread(
-        self, pid: int, by_inode: dict[tuple[bytes, bytes], _Match | None]
-    ) -> tuple[_Found | None, bool]:
+    def _scan_live_thread(self, pid: int, by_inode: _ByInode) -> tuple[_Found | None, bool]:
         found = _Found()
         try:
             tids = [t for t in os.listdir(f"{self.procfs.root}/{pid}/task") if t != str(pid)]

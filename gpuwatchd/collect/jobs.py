@@ -36,6 +36,7 @@ def scheduler_ended_job(spec: str, environ: Mapping[str, str]) -> str:
     ``unit:NAME.service``, or a bare ``slurm`` with ``SLURM_JOB_ID`` in ``environ``); ValueError
     naming the value otherwise. Pure."""
     kind, sep, ident = spec.partition(":")
+    source = ""
     if kind not in _ENDED_JOB_ID:
         raise ValueError(
             f"--ended-job {spec!r}: expected KIND:ID with KIND one of "
@@ -49,8 +50,6 @@ def scheduler_ended_job(spec: str, environ: Mapping[str, str]) -> str:
         if not ident:
             raise ValueError(f"--ended-job {spec!r}: {variable} is not set in the environment")
         source = f" (from {variable}={ident[:40]!r})"
-    else:
-        source = ""
     if _ENDED_JOB_ID[kind].fullmatch(ident) is None:
         raise ValueError(f"--ended-job {spec!r}{source}: {ident[:40]!r} is not a valid {kind} id")
     return f"{kind}:{ident}"

@@ -67,10 +67,6 @@ class XidLine:
     text: str
 
 
-def _printable(text: str) -> str:
-    return "".join(c if c.isprintable() else "?" for c in text[:MAX_TEXT])
-
-
 def parse_xid(message: str) -> XidLine | None:
     """The Xid a kernel message reports, or None when it is not a well-formed Xid line."""
     if len(message) > MAX_LINE or not message.startswith("NVRM: Xid ("):
@@ -96,9 +92,8 @@ def parse_xid(message: str) -> XidLine | None:
             if named is None or not named.group("name").isprintable():
                 return None
             process = None if named.group("name") == "<unknown>" else named.group("name")
-    return XidLine(
-        match.group("pci").lower(), int(match.group("xid")), pid, process, _printable(rest)
-    )
+    text = "".join(c if c.isprintable() else "?" for c in rest[:MAX_TEXT])
+    return XidLine(match.group("pci").lower(), int(match.group("xid")), pid, process, text)
 
 
 def parse_kmsg_record(line: str) -> tuple[int, str] | None:
@@ -177,36 +172,29 @@ class _Lines:
                 self.ended = True
                 break
             budget -= len(chunk)
-            self._split(chunk, lines)
+            parts = (self._partial + chunk).split(b"\n")
+            self._partial = parts.pop()
+            for part in parts:
+                if self._skipping:
+                    self._skipping = False
+                elif len(part) <= MAX_LINE:
+                    lines.append(part.decode("utf-8", "replace"))
+            if len(self._partial) > MAX_LINE:
+                self._partial, self._skipping = b"", True
         return lines
-
-    def _split(self, chunk: bytes, lines: list[str]) -> None:
-        parts = (self._partial + chunk).split(b"\n")
-        self._partial = parts.pop()
-        for part in parts:
-            if self._skipping:
-                self._skipping = False
-            elif len(part) <= MAX_LINE:
-                lines.append(part.decode("utf-8", "replace"))
-        if len(self._partial) > MAX_LINE:
-            self._partial, self._skipping = b"", True
 
 
 @dataclass(eq=False)
 class KernelLog:
-    """The kernel log's Xids, read a bounded slice per :meth:`read` call.
-
-    ``source``: ``journal``, ``off`` or the path of a file in ``/dev/kmsg``'s format.
-    ``read_process``: facts about a live process, to name the job of the process an Xid
-    names (only when it started before the Xid and still goes by the printed name).
-    """
+    """The kernel log's Xids, read a bounded slice per :meth:`read` call. ``source``:
+    ``journal``, ``off`` or the path of a file in ``/dev/kmsg``'s format. ``read_process``:
+    facts about a live process, to name the job of the process an Xid names (:meth:`_with_job`)."""
 
     source: str
     _: KW_ONLY
     read_process: Callable[[int], ProcessInfo | None] | None = None
     clock: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], float] = time.time
-    argv: tuple[str, ...] = JOURNAL_ARGV
     _child: subprocess.Popen[bytes] | None = field(default=None, init=False)
     _lines: _Lines | None = field(default=None, init=False)
     _file: int | None = field(default=None, init=False)
@@ -230,7 +218,7 @@ class KernelLog:
         try:
             if self.source == KERNEL_LOG_JOURNAL:
                 self._child = subprocess.Popen(
-                    self.argv,
+                    JOURNAL_ARGV,
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.DEVNULL,

@@ -22,6 +22,7 @@ from typing import Any, Protocol, TypeVar
 
 from gpuwatchd.collect.mig import MAX_INSTANCE_ID, MAX_MIG_DEVICES
 from gpuwatchd.core.checked import as_flag, as_map, as_number, items, obj, opt_integer, opt_text
+from gpuwatchd.core.codec import decode_json_object
 from gpuwatchd.core.model import (
     GpuHealth,
     GpuInfo,
@@ -41,6 +42,7 @@ log = lazylog.get_logger()
 
 UNAVAILABLE_PREFIX = "NVIDIA driver/NVML not available: "
 REAP_GRACE = 0.2  # seconds to wait for a SIGKILLed worker to disappear
+BACKOFF_MAX = 60.0  # seconds: the longest wait before a failed read is tried again
 WORKER_FILE = NVML_WORKER_FILE
 MEMORY_V1_NOTICE = "memory_v1"  # nvml_worker's (the worker imports nothing from gpuwatchd)
 WORKER_CWD = "/"
@@ -68,16 +70,14 @@ def worker_environment(inherited: Mapping[str, str], extra: Mapping[str, str]) -
     return {name: value for name, value in env.items() if not name.startswith("PYTHON")}
 
 
-def library_folders(
-    search_path: Sequence[str], cwd: str | None, module: str = "pynvml"
-) -> list[str]:
+def library_folders(search_path: Sequence[str], cwd: str | None) -> list[str]:
     """The absolute ``search_path`` entry, never ``cwd`` (which a hostile user may have filled,
-    and ``-m``, ``-c`` or an empty ``PYTHONPATH`` element put there), where ``module`` is found;
+    and ``-m``, ``-c`` or an empty ``PYTHONPATH`` element put there), where pynvml is found;
     empty when nowhere else (the worker then finds it itself or reports NVML unavailable)."""
     for entry in search_path:
         if not os.path.isabs(entry) or entry == cwd:
             continue
-        if PathFinder.find_spec(module, [entry]) is not None:
+        if PathFinder.find_spec("pynvml", [entry]) is not None:
             return [entry]
     return []
 
@@ -137,7 +137,6 @@ class NvmlClient:
         python: str = sys.executable,
         clock: Callable[[], float] = time.monotonic,
         backoff_initial: float = 1.0,
-        backoff_max: float = 60.0,
         spawn: Spawn = subprocess.Popen,
     ) -> None:
         self.timeout = timeout
@@ -146,7 +145,6 @@ class NvmlClient:
         self._python = python
         self._clock = clock
         self._backoff_initial = backoff_initial
-        self._backoff_max = backoff_max
         self._backoff = backoff_initial
         self._retry_at: float | None = None
         self._last_failure: NvmlReading | None = None
@@ -191,7 +189,7 @@ class NvmlClient:
         with contextlib.suppress(OSError, _WorkerGone):
             if self._proc is None:
                 self._start()
-            self._send({"op": "read"})
+            self._send(self._proc, {"op": "read"})
             self._pending = True
             self._asked_wall = time.time()
 
@@ -218,8 +216,8 @@ class NvmlClient:
                 self._pending, asked = False, self._asked_wall
             else:
                 asked = time.time()
-                self._send({"op": "read"})
-            reply = self._receive(deadline)
+                self._send(self._proc, {"op": "read"})
+            reply = self._receive(self._proc, deadline)
         except TimeoutError:
             return self._wedged()
         except (_WorkerGone, OSError) as error:
@@ -258,10 +256,7 @@ class NvmlClient:
         )
         log.debug(EventName.NVML_WORKER_STARTED, pid=self._proc.pid)
 
-    def _send(
-        self, request: Mapping[str, Any], proc: subprocess.Popen[bytes] | None = None
-    ) -> None:
-        proc = proc or self._proc
+    def _send(self, proc: subprocess.Popen[bytes] | None, request: Mapping[str, Any]) -> None:
         if proc is None or proc.stdin is None:
             raise _WorkerGone("no NVML worker")
         try:
@@ -269,10 +264,7 @@ class NvmlClient:
         except BrokenPipeError as error:
             raise _WorkerGone(self._death_note(proc)) from error
 
-    def _receive(
-        self, deadline: float, proc: subprocess.Popen[bytes] | None = None
-    ) -> dict[str, Any]:
-        proc = proc or self._proc
+    def _receive(self, proc: subprocess.Popen[bytes] | None, deadline: float) -> dict[str, Any]:
         if proc is None or proc.stdout is None:
             raise _WorkerGone("no NVML worker")
         fd = proc.stdout.fileno()
@@ -289,12 +281,9 @@ class NvmlClient:
             self._buffer += chunk
         line, _, self._buffer = self._buffer.partition(b"\n")
         try:
-            reply = json.loads(line)
-        except (ValueError, RecursionError) as error:  # RecursionError: nested too deeply
+            return decode_json_object(line)
+        except ValueError as error:
             raise _WorkerGone(f"NVML worker sent garbage: {line[:200]!r}") from error
-        if not isinstance(reply, dict):
-            raise _WorkerGone(f"NVML worker sent garbage: {line[:200]!r}")
-        return reply
 
     def _death_note(self, proc: subprocess.Popen[bytes]) -> str:
         if not wait_exit(proc, REAP_GRACE):
@@ -325,9 +314,9 @@ class NvmlClient:
             if proc.poll() is None:
                 with contextlib.suppress(_WorkerGone, OSError, TimeoutError):
                     deadline = time.monotonic() + self.timeout
-                    self._send({"op": "shutdown"}, proc)
+                    self._send(proc, {"op": "shutdown"})
                     # A prefetched read is answered first; the shutdown's reply ends the wait.
-                    while "shutdown" not in self._receive(deadline, proc):
+                    while "shutdown" not in self._receive(proc, deadline):
                         pass
             self._finish(proc)
         self._buffer = b""
@@ -348,16 +337,15 @@ class NvmlClient:
 
     def _schedule_retry(self, reading: NvmlReading) -> NvmlReading:
         self._retry_at = self._clock() + self._backoff
-        self._backoff = min(self._backoff * 2, self._backoff_max)
+        self._backoff = min(self._backoff * 2, BACKOFF_MAX)
         self._last_failure = reading
         return reading
 
     def _wedged(self) -> NvmlReading:
-        timeout = f"{self.timeout:g}s"
         reading = NvmlReading(
             available=True,
             wedged=True,
-            error=f"NVML call did not return within {timeout} (driver may be hung)",
+            error=f"NVML call did not return within {self.timeout:g}s (driver may be hung)",
         )
         proc, self._proc = self._proc, None
         if not (self._last_failure is not None and self._last_failure.wedged):
@@ -552,19 +540,12 @@ def to_health(raw: object) -> GpuHealth | None:
     )
 
 
+# The profile in the driver's MIG device name: 1g.10gb in "NVIDIA H100 80GB HBM3 MIG 1g.10gb".
 _PROFILE = re.compile(r" MIG ([0-9a-z.+-]{1,32})$")
 
 
 def _text(value: Any, most: int = 256) -> str | None:
     return value[:most] if isinstance(value, str) else None
-
-
-def profile_of(name: str | None) -> str | None:
-    """``1g.10gb`` from ``NVIDIA H100 80GB HBM3 MIG 1g.10gb``, the driver's MIG device name."""
-    if name is None:
-        return None
-    match = _PROFILE.search(name)
-    return None if match is None else match.group(1)
 
 
 def to_mig_devices(raw: Any) -> tuple[MigDevice, ...] | None:
@@ -582,6 +563,7 @@ def to_mig_devices(raw: Any) -> tuple[MigDevice, ...] | None:
             start, size = (bounded(v, MAX_INSTANCE_ID) for v in placement)
             where = None if start is None or size is None else (start, size)
         name = _text(entry.get("name"))
+        profile = None if name is None else _PROFILE.search(name)
         try:
             processes: tuple[NvmlProcess, ...] | None = _to_processes(entry.get("processes"))
         except ValueError:
@@ -597,7 +579,7 @@ def to_mig_devices(raw: Any) -> tuple[MigDevice, ...] | None:
                 gi=bounded(entry.get("gi"), MAX_INSTANCE_ID),
                 ci=bounded(entry.get("ci"), MAX_INSTANCE_ID),
                 name=name,
-                profile=profile_of(name),
+                profile=None if profile is None else profile.group(1),
                 gi_profile_id=bounded(entry.get("gi_profile_id"), MAX_INSTANCE_ID),
                 placement=where,
                 memory=memory,

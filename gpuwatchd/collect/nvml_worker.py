@@ -96,8 +96,7 @@ def count_active_nvlinks(reader: GpuReader, handle: Any) -> int | None:
         except pynvml.NVMLError as error:
             note_error(reader.errors, "nvmlDeviceGetNvLinkState", error)
             return None
-        if state:
-            active += 1
+        active += bool(state)
     return active
 
 
@@ -152,10 +151,9 @@ def read_recovery_action(handle: Any, errors: list[str]) -> dict[str, Any]:
 
 
 def read_fabric(handle: Any, errors: list[str], first: int) -> tuple[dict[str, Any], int]:
-    """The NVLink fabric of one GPU through ``nvmlDeviceGetGpuFabricInfoV`` with the struct of
-    version ``first`` (3 has the health summary; 2 after NVML_ERROR_ARGUMENT_VERSION_MISMATCH),
-    passed by reference, its version set by its constructor. Returns the entry and the version
-    to use next time."""
+    """The NVLink fabric of one GPU by ``nvmlDeviceGetGpuFabricInfoV`` with the struct of version
+    ``first`` (3 has the health summary; 2 after NVML_ERROR_ARGUMENT_VERSION_MISMATCH): the
+    entry, and the version to use next time."""
     name = "nvmlDeviceGetGpuFabricInfoV"
     for version in (3, 2) if first == 3 else (2,):
         struct = getattr(pynvml, f"c_nvmlGpuFabricInfo_v{version}_t", None)
@@ -382,14 +380,12 @@ def read_identity(reader: GpuReader, handle: Any) -> dict[str, Any]:
         "uuid": reader.query("nvmlDeviceGetUUID", handle),
         "name": reader.query("nvmlDeviceGetName", handle),
         "minor": reader.query("nvmlDeviceGetMinorNumber", handle),
-        "pci_bus_id": _bus_id(reader.query("nvmlDeviceGetPciInfo_v3", handle)),
+        "pci_bus_id": None
+        if (pci := reader.query("nvmlDeviceGetPciInfo_v3", handle)) is None
+        else _text(pci.busId),
         "architecture": reader.query("nvmlDeviceGetArchitecture", handle),
         "nvlink_active": count_active_nvlinks(reader, handle),
     }
-
-
-def _bus_id(pci: Any) -> Any:
-    return None if pci is None else _text(pci.busId)
 
 
 def _text(value: Any) -> Any:

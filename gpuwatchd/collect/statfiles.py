@@ -121,7 +121,7 @@ class StatFiles:
         try:
             raw = os.pread(fd, _SIZE, 0)
         except OSError:
-            self._close_children(pid)  # reaped since: ask the usual way
+            self._close_kept(self._children, pid)  # reaped since: ask the usual way
             return None
         if len(raw) >= _SIZE:
             return None  # a long list: the usual way reads it whole
@@ -137,23 +137,21 @@ class StatFiles:
         for pid in [p for p in self._fds if p not in keep]:
             self._close(pid)
         for pid in [p for p in self._children if p not in keep]:
-            self._close_children(pid)
+            self._close_kept(self._children, pid)
         self._threads.clear()
 
     def __len__(self) -> int:
         return len(self._fds)
 
-    def _close_children(self, pid: int) -> None:
-        fd = self._children.pop(pid, None)
+    @staticmethod
+    def _close_kept(kept: dict[int, int], pid: int) -> None:
+        fd = kept.pop(pid, None)
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
     def _close(self, pid: int) -> None:
-        fd = self._fds.pop(pid, None)
         self._last.pop(pid, None)
         self._threads.pop(pid, None)
-        self._close_children(pid)
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        self._close_kept(self._children, pid)
+        self._close_kept(self._fds, pid)

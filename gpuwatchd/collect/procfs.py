@@ -99,6 +99,9 @@ class ProcFS:
         *,
         devices_dir: str = "/dev",
         device_major: int | None = None,
+        uvm_major: int | None = None,
+        ctl_minor: int | None = None,
+        uvm_minor: int = 0,
         match_by_path: bool | None = None,
     ) -> None:
         from gpuwatchd.collect import holders  # holders builds on this module, not the reverse
@@ -118,6 +121,9 @@ class ProcFS:
             self,
             devices_dir=devices_dir,
             device_major=holders.NVIDIA_MAJOR if device_major is None else device_major,
+            uvm_major=uvm_major,
+            ctl_minor=holders.NVIDIACTL_MINOR if ctl_minor is None else ctl_minor,
+            uvm_minor=uvm_minor,
             match_by_path=match_by_path,
         )
         self.holders: HolderScanner = holders.HolderScanner(self, devices)

@@ -21,6 +21,7 @@ from gpuwatchd import __version__
 from gpuwatchd.cli.check_clean import RUNNING_POLICY
 from gpuwatchd.cli.main import main
 from gpuwatchd.config.schema import load_policy
+from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.state.accepted import save_accepted
@@ -235,14 +236,14 @@ def test_run_without_capabilities_refuses_to_enforce_but_may_dry_run(
     result = _without_capabilities(host, "run", "--once", "--timeout", "10s", "--config", config)
     output = result.stdout + result.stderr
     assert result.returncode == code, output
-    event = "daemon.limited_permissions" if dry_run else "daemon.no_permission"
+    event = EventName.DAEMON_LIMITED_PERMISSIONS if dry_run else EventName.DAEMON_NO_PERMISSION
     assert event in output
     assert "CAP_KILL" in output
     # A dry run proceeds, but what it could not inspect proves no GPU clean (exit 77, as
     # check-clean says it); enforcing never starts.
-    assert ("daemon.start" in output) is dry_run
+    assert (EventName.DAEMON_START in output) is dry_run
     if dry_run:
-        assert "run_once.unresolved" in output or "run_once.timeout" in output
+        assert EventName.RUN_ONCE_UNRESOLVED in output or EventName.RUN_ONCE_TIMEOUT in output
         assert "unreadable" in output
 
 

@@ -18,7 +18,7 @@ from gpuwatchd.core.vocabulary import ExitCode
 from gpuwatchd.decide.plan.decisions import pending_keys
 from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.decide.verdict import NodeVerdict, OnceStep, cannot_tell, once_progress
+from gpuwatchd.decide.verdict import NodeVerdict, OnceStep, once_progress
 from gpuwatchd.state.saved import SavedState, read_saved_state
 
 MAX_PAUSE = 5.0  # seconds between two looks, whatever the policy's interval
@@ -89,10 +89,7 @@ def _progress(
     the scan could not read the daemon's saved state (``unread``: why): as check-clean, it
     cannot tell, and waiting will not tell it."""
     dirty = {g.uuid for g in verdict.gpus if not g.clean}
-    step, left = once_progress(verdict, daemon_busy(state, report, dirty))
-    if step is not OnceStep.WAIT and unread is not None:
-        return OnceStep.STUCK, [*left, cannot_tell(unread)]
-    return step, left
+    return once_progress(verdict, daemon_busy(state, report, dirty), unread)
 
 
 def wait_for_daemon(

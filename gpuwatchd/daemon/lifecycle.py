@@ -49,7 +49,6 @@ from gpuwatchd.decide.verdict import (
     UNREADABLE,
     NodeVerdict,
     OnceStep,
-    cannot_tell,
     lost_state,
     once_progress,
 )
@@ -330,12 +329,8 @@ class Daemon:
             why = verdict.unavailable if verdict is not None else None
             step, left = OnceStep.WAIT, [*busy, why or "no GPU reading"]
         else:
-            step, left = once_progress(verdict, busy)
-        unread = lost_state(report.plan)
-        if step is not OnceStep.WAIT and unread is not None:
-            # What the unusable state held (a MIG recovery or reset half done) is unknown: as
-            # check-clean, run --once cannot tell, and waiting will not tell it.
-            step, left = OnceStep.STUCK, [*left, cannot_tell(unread)]
+            # While latched on a saved state it moved aside, as check-clean, it cannot tell.
+            step, left = once_progress(verdict, busy, lost_state(report.plan))
         if step is OnceStep.DONE:
             log.info(EventName.RUN_ONCE_DONE, waited=round(waited, 3))
             return ExitCode.OK

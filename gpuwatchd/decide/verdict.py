@@ -401,17 +401,21 @@ class OnceStep(str, enum.Enum):
         return self.value
 
 
-def once_progress(verdict: NodeVerdict, busy: Sequence[str]) -> tuple[OnceStep, list[str]]:
+def once_progress(
+    verdict: NodeVerdict, busy: Sequence[str], unread: str | None = None
+) -> tuple[OnceStep, list[str]]:
     """Whether ``run --once`` is done, and what is left (``busy``, what the acting side has
     under way, first; then each GPU that is not clean). STUCK at once when nothing is under way
-    and every such GPU has a reason that does not settle by itself; ``verdict`` was judged."""
+    and every such GPU has a reason that does not settle by itself; ``verdict`` was judged.
+    Never done while the daemon's saved state is unknown (``unread``: why): waiting will not
+    tell what it held."""
     dirty = [g for g in verdict.gpus if not g.clean]
     left = [*busy, *(_summary(g) for g in dirty)]
-    if not busy and not dirty:
-        return OnceStep.DONE, left
-    if not busy and all(any(r.kind not in SETTLING for r in g.reasons) for g in dirty):
-        return OnceStep.STUCK, left
-    return OnceStep.WAIT, left
+    if busy or (dirty and not all(any(r.kind not in SETTLING for r in g.reasons) for g in dirty)):
+        return OnceStep.WAIT, left
+    if unread is not None:
+        return OnceStep.STUCK, [*left, cannot_tell(unread)]
+    return (OnceStep.STUCK if dirty else OnceStep.DONE), left
 
 
 def describe(gpu: GpuVerdict) -> str:

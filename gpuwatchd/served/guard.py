@@ -74,7 +74,9 @@ class ViewPublisher:
         if state_dir is None:
             return False
         try:
-            state_dir.write(VIEW_FILE, json.dumps(view).encode())
+            # No fsync, as for the dirty view: it describes this daemon's running poll and is
+            # refused once the daemon or the boot is gone, so a flush would only stall the poll.
+            state_dir.write(VIEW_FILE, json.dumps(view).encode(), sync=False)
         except OSError as exc:
             self._on_error(str(exc))
             return False

@@ -110,6 +110,22 @@ def test_the_watch_reads_no_event_before_the_view_on_disk_says_dirty(
         watch.close()
 
 
+def test_publishing_the_view_never_waits_for_the_disk(
+    host: tuple[Path, StateDir], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The view (clean or dirty) is for this daemon's lifetime only: no fsync on the poll path,
+    where a slow disk would hold up the poll and the watchdog."""
+    state = host[1]
+    synced: list[int] = []
+    monkeypatch.setattr(os, "fsync", synced.append)
+    publisher = ViewPublisher(lambda: state, lambda error: None)
+    assert publisher.publish(_view(None))
+    assert publisher.mark_dirty()
+    assert publisher.publish(_view(None))
+    assert _on_disk(state)["clean"] is True
+    assert synced == []
+
+
 def test_a_view_that_cannot_be_marked_dirty_stops_the_watch(
     host: tuple[Path, StateDir],
 ) -> None:

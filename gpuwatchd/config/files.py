@@ -14,7 +14,7 @@ import os
 import stat
 from collections.abc import Sequence
 
-from gpuwatchd.config.peek import conf_d, drop_in_names
+from gpuwatchd.config.peek import ancestors, conf_d, drop_in_names
 from gpuwatchd.config.yamlsrc import MAX_DOCUMENT_BYTES, ConfigError, line_of
 from gpuwatchd.core.escape import unescape_mount_path
 
@@ -189,14 +189,6 @@ def _not_regular_message(kind: str) -> str:
 # --- StrictModes ----------------------------------------------------------------------------------
 
 
-def _ancestors(path: str, trusted_root: str) -> list[str]:
-    """The directories above ``path``, nearest first, up to ``trusted_root`` (inclusive)."""
-    found = [os.path.dirname(path)]
-    while found[-1] not in (trusted_root, os.path.dirname(found[-1])):
-        found.append(os.path.dirname(found[-1]))
-    return found
-
-
 def _unsafe(path: str, *, allow_sticky: bool) -> ConfigError | None:
     try:
         info = os.stat(path)
@@ -278,7 +270,7 @@ def check_config_permissions(
         strict.append(folder)
     strict += [os.path.realpath(p) for p in strict]
     trusted = os.path.abspath(trusted_root)
-    loose = [d for p in strict for d in _ancestors(p, trusted)]
+    loose = [d for p in strict for d in ancestors(p, trusted)]
     paths = dict.fromkeys([*strict, *loose])  # each once, in this order
     found = (_unsafe(path, allow_sticky=path not in strict) for path in paths)
     problems = [problem for problem in found if problem is not None]

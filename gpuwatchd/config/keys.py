@@ -248,12 +248,14 @@ def one_of(choices: Sequence[str]) -> Value:
     return Value(read, _same)
 
 
-def items_of(node: Node) -> list[Node]:
-    """The items of a list node; null is an empty list."""
+def items_of(node: Node, most: int | None = None) -> list[Node]:
+    """The items of a list node (at most ``most``); null is an empty list."""
     if isinstance(node, Scalar) and node.value is None:
         return []
     if not isinstance(node, Seq):
         raise node.error(f"expected a list, got {kind_of(node)}")
+    if most is not None and len(node.items) > most:
+        raise node.error(f"at most {most} items, got {len(node.items)}")
     return node.items
 
 
@@ -264,10 +266,7 @@ def list_of(value: Value, *, empty: str = "", most: int | None = None) -> Value:
     def read(node: Node) -> tuple[Any, ...]:
         problems: list[ConfigError] = []
         values: list[Any] = []
-        items = items_of(node)
-        if most is not None and len(items) > most:
-            raise node.error(f"at most {most} items, got {len(items)}")
-        for item in items:
+        for item in items_of(node, most):
             try:
                 values.append(value.read(item))
             except ConfigError as err:

@@ -20,6 +20,14 @@ def conf_d(main_file: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(main_file)), "conf.d")
 
 
+def ancestors(path: str, trusted_root: str = "/") -> list[str]:
+    """The directories above ``path``, nearest first, up to ``trusted_root`` (inclusive)."""
+    found = [os.path.dirname(path)]
+    while found[-1] not in (trusted_root, os.path.dirname(found[-1])):
+        found.append(os.path.dirname(found[-1]))
+    return found
+
+
 def drop_in_names(folder: str) -> list[str]:
     """The entries of ``folder`` named like drop-ins (``*.yaml``, not hidden), sorted; OSError."""
     return sorted(n for n in os.listdir(folder) if n.endswith(".yaml") and not n.startswith("."))

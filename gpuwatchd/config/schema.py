@@ -223,12 +223,9 @@ def _read_nested(node: Node, nested: Nested, problems: list[ConfigError], path: 
     if not nested.many:
         return section.cls(**_read_fields(_Section(node, section.name, problems, path)))
     try:
-        items = items_of(node)
+        items = items_of(node, nested.most)
     except ConfigError as err:
         problems.extend(err.problems)
-        return _FAILED
-    if nested.most is not None and len(items) > nested.most:
-        problems.append(node.error(f"at most {nested.most} items, got {len(items)}"))
         return _FAILED
     before = len(problems)
     results = [_ITEM_READERS[section.name](item, problems) for item in items]

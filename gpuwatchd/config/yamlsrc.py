@@ -153,20 +153,20 @@ def load_document(filename: str, text: str, budget: Budget | None = None) -> Map
     budget = Budget() if budget is None else budget
     _check_text(filename, text, budget)
     try:
-        loader = _BoundedLoader(filename, text, budget)
-    except yaml.YAMLError as err:  # the reader's own checks; _check_text refuses the same first
-        raise ConfigError(f"YAML: {err}", path=filename) from None
-    try:
-        root = loader.get_single_node()
-        if root is None:
-            return Map(filename, 1, "")
-        if not isinstance(root, yaml.MappingNode):
-            raise ConfigError(
-                "the top level must be a mapping of keys", path=filename, line=_line(root)
-            )
-        converted = _convert(root, loader, filename, "")
-        assert isinstance(converted, Map)  # noqa: S101 -- a MappingNode converts to a Map
-        return converted
+        loader = _BoundedLoader(filename, text, budget)  # its reader checks what _check_text did
+        try:
+            root = loader.get_single_node()
+            if root is None:
+                return Map(filename, 1, "")
+            if not isinstance(root, yaml.MappingNode):
+                raise ConfigError(
+                    "the top level must be a mapping of keys", path=filename, line=_line(root)
+                )
+            converted = _convert(root, loader, filename, "")
+            assert isinstance(converted, Map)  # noqa: S101 -- a MappingNode converts to a Map
+            return converted
+        finally:
+            loader.dispose()
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         message = " ".join(part for part in (err.context, err.problem) if part)
@@ -175,8 +175,6 @@ def load_document(filename: str, text: str, budget: Budget | None = None) -> Map
         ) from None
     except yaml.YAMLError as err:
         raise ConfigError(f"YAML: {err}", path=filename) from None
-    finally:
-        loader.dispose()
 
 
 def _check_text(filename: str, text: str, budget: Budget) -> None:

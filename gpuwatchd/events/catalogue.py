@@ -511,7 +511,6 @@ KERNEL_LOG_DROPPED WARNING: lines kept
     EventName.CONFIG_RELOADED: spec(INFO, "config dry_run changed rejection_ended", _reloaded),
     # GPU resets and health
     EventName.RESET_DRY_RUN: spec(INFO, "RESET assumed", _reset_dry_run),
-    # GPU health
     EventName.HEALTH_DRAIN_STARTED: spec(
         WARNING, "FINDING blockers timeout dry_run drained_already", _drain_started
     ),

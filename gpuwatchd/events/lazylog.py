@@ -48,17 +48,13 @@ class _LazyLogger:
         if level is not None and level.number < _Deferred.floor:
             return _drop
         if self._real is None:
-            self._real = _load(self._args)
+            setup, _Deferred.setup = _Deferred.setup, None
+            if setup is not None:
+                setup()
+            import structlog
+
+            self._real = structlog.get_logger(*self._args)
         return getattr(self._real, name)
-
-
-def _load(args: tuple[Any, ...]) -> Any:
-    setup, _Deferred.setup = _Deferred.setup, None
-    if setup is not None:
-        setup()
-    import structlog
-
-    return structlog.get_logger(*args)
 
 
 def get_logger(*args: Any) -> Any:

@@ -352,9 +352,7 @@ def _journal_value(value: object) -> str | None:
     """None omitted, booleans ``true``/``false``, collections compact JSON, the rest str()."""
     if value is None:
         return None
-    if isinstance(value, (set, frozenset)):
-        value = sorted(value, key=repr)
-    if isinstance(value, (list, tuple, dict)):
+    if isinstance(value, (list, tuple, dict, set, frozenset)):
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=_json_default)
     return _scalar(value)
 

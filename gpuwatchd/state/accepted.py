@@ -77,12 +77,10 @@ def load_fallback(config_path: str) -> Fallback:
         if len(data) > MAX_DOCUMENT_BYTES:
             raise ValueError("larger than a policy may be")
         policy = parse_policy_documents([(path, data.decode("utf-8", errors="strict"))])
+        if policy.state_dir != state_dir:
+            raise ValueError(f"names another state_dir ({policy.state_dir})")
     except FileNotFoundError:
         return Fallback(None, path, None)
     except (OSError, StateDirError, ValueError, ConfigError) as err:
         return Fallback(None, path, None, (f"{path}: {err}",))
-    if policy.state_dir != state_dir:
-        return Fallback(
-            None, path, None, (f"{path}: names another state_dir ({policy.state_dir})",)
-        )
     return Fallback(policy, path, info.st_mtime)

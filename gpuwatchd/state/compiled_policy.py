@@ -13,7 +13,7 @@ import stat
 from collections.abc import Callable
 from typing import Any
 
-from gpuwatchd.config.peek import conf_d, drop_in_names, guess_state_dir
+from gpuwatchd.config.peek import ancestors, conf_d, drop_in_names, guess_state_dir
 from gpuwatchd.core.checked import flag, items, text
 from gpuwatchd.core.codec import Format
 from gpuwatchd.decide import policy as policy_module
@@ -125,13 +125,10 @@ def identity(main_file: str) -> list[list[object]] | None:
     absent) and each drop-in; None (no shortcut) when any is a link or cannot be looked at, or
     the main file or a drop-in is not a regular file."""
     main = os.path.abspath(main_file)
-    above = [os.path.dirname(main)]
-    while above[-1] != os.path.dirname(above[-1]):
-        above.append(os.path.dirname(above[-1]))
     folder = conf_d(main)
     try:
         files = [(main, _stat_entry(main, content=True))]
-        found = files + [(path, _stat_entry(path)) for path in above]
+        found = files + [(path, _stat_entry(path)) for path in ancestors(main)]
         found.append((folder, conf := _stat_entry(folder)))
         if conf is not None:
             drop_ins = [os.path.join(folder, name) for name in drop_in_names(folder)]

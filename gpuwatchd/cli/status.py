@@ -28,11 +28,14 @@ from gpuwatchd.state.status_document import (
     ACTION,
     CLEAR_LATCHES,
     DOCUMENT_FORMAT,
+    GPU,
     MAX_ACTIONS,
     NVML,
+    REASON,
     REJECTED,
     SPARE,
     build_document,
+    optional,
 )
 
 STATUS_FORMAT = 1  # the "format" of ``status --json``
@@ -180,7 +183,7 @@ def _document_sections(
         "spares": [s for s in _rows(doc.get("spares"), SPARE, 64) if s["target"] is not None],
         "gpus": as_count(doc.get("gpus")),
         "findings": as_count(doc.get("findings")),
-        "verdict": _optional(doc.get("verdict"), _VERDICT),
+        "verdict": optional(doc.get("verdict"), _VERDICT),
         "policy": pick(doc.get("policy"), _POLICY),
         "clock": clock,
         "document": as_number(doc.get("written_at")),
@@ -264,11 +267,6 @@ def _rows(
     return [pick(item, spec) for item in chosen]
 
 
-def _optional(raw: object, spec: Mapping[str, _Check]) -> dict[str, object] | None:
-    """An object's fields by ``spec``; None (not said) when ``raw`` is no object."""
-    return pick(raw, spec) if isinstance(raw, Mapping) else None
-
-
 _MODES: Mapping[str, _Check] = {
     "mode": as_one_of("enforcing", "dry-run"),
     "effective_mode": as_one_of("enforcing", "dry-run", "paused", "forced-dry-run"),
@@ -286,15 +284,7 @@ _KILL_CAP: Mapping[str, _Check] = {
     "max_per_poll": as_count,
 }
 _BREAKER: Mapping[str, _Check] = {"open": as_flag, "failures": as_count, "max_failures": as_count}
-_GPU: Mapping[str, _Check] = {
-    "index": as_int,
-    "uuid": as_text,
-    "state": as_one_of("clean", "dirty", "unknown"),
-    "kind": as_text,
-    "reason": as_text,
-    "reasons": as_count,
-    "reset_blockers": as_count,
-}
+_GPU: Mapping[str, _Check] = {**GPU, **REASON, "reasons": as_count, "reset_blockers": as_count}
 _LADDER: Mapping[str, _Check] = {
     "target": as_text,
     "pid": as_int,
@@ -334,13 +324,13 @@ _VERDICT: Mapping[str, _Check] = {
 }
 _POLICY: Mapping[str, _Check] = {
     "files": lambda raw: _texts(raw) if isinstance(raw, list) else None,
-    "rejected": lambda raw: _optional(raw, REJECTED),
+    "rejected": lambda raw: optional(raw, REJECTED),
 }
 _RESETS: Mapping[str, _Check] = {
     "cooldown": as_number,
     "max_resets": as_count,
     "window": as_number,
-    "in_progress": lambda raw: _optional(raw, _IN_PROGRESS),
+    "in_progress": lambda raw: optional(raw, _IN_PROGRESS),
     "gpus": lambda raw: _rows(raw, _RESET_GPU, 256),
 }
 

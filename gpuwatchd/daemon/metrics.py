@@ -54,6 +54,8 @@ _SIGNALS = frozenset(SIGNAL_NAMES)
 _SIGNAL_OUTCOMES = frozenset(o.value for o in SignalOutcome)
 _RESET_RESULTS = frozenset(r.value for r in ResetResult)
 _KINDS = frozenset(k.value for k in FindingKind)
+# The hook metric's label of how a hook ended (``hook_outcome``); any other end is "failed".
+_HOOK_RESULTS = {HookOutcome.DRY_RUN.value: "dry_run", HOOK_SUCCEEDED: "ok"}
 
 
 def _without_created(text: bytes) -> bytes:
@@ -425,14 +427,6 @@ class _PollGauges:
             self.full_scans.inc()
 
 
-def _hook_result(fields: Mapping[str, object]) -> str:
-    """The metric's label (ok, failed, dry_run) of how a hook ended (``hook_outcome``)."""
-    outcome = hook_outcome(fields)
-    if outcome == HookOutcome.DRY_RUN:
-        return "dry_run"
-    return "ok" if outcome == HOOK_SUCCEEDED else "failed"
-
-
 class Metrics:
     """gpuwatchd's metrics in a private registry, and the ``.prom`` file they are written to
     (``textfile``; None: kept, not written)."""
@@ -493,7 +487,7 @@ class Metrics:
         elif name == EventName.HOOK_RUN:
             hook = str(fields.get("hook"))
             hook = hook if _HOOK_NAME.fullmatch(hook) else OTHER
-            self._hooks.labels(hook, _hook_result(fields)).inc()
+            self._hooks.labels(hook, _HOOK_RESULTS.get(hook_outcome(fields), "failed")).inc()
         elif name == EventName.FINDING_NEW:
             self._findings_new.labels(_label(fields.get("kind"), _KINDS)).inc()
 

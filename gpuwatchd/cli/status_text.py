@@ -23,9 +23,8 @@ def _at(now: float, when: object) -> str:
     return ago(now - t) if shown == "?" else f"{shown} ({ago(now - t)})"
 
 
-def _header(result: Mapping[str, object]) -> str:
+def _header(now: float, result: Mapping[str, object]) -> str:
     daemon = as_map(result.get("daemon"))
-    now = as_number(result.get("now")) or 0.0
     if result.get("health") == "unknown":
         return f"gpuwatchd status unknown: {result.get('why_not_running')}"
     if not result.get("running"):
@@ -39,17 +38,16 @@ def _header(result: Mapping[str, object]) -> str:
     return f"gpuwatchd is running: pid {daemon.get('pid')}{up}{poll}"
 
 
-def _mode_line(result: Mapping[str, object]) -> str:
+def _mode_line(now: float, result: Mapping[str, object]) -> str:
     mode, effective = result.get("mode"), result.get("effective_mode")
     configured = f"configured: {mode}" if mode else "configured mode unknown"
     if effective == "paused":
         reason = result.get("paused_reason")
         why = f" ({reason})" if reason else ""
         ends = as_number(result.get("paused_until"))
-        now = as_number(result.get("now"))
         lasts = (
             f"until {stamp(ends)} ({until(ends - now)}, ends by itself) or `gpuwatchd resume`"
-            if ends is not None and now is not None
+            if ends is not None
             else "until `gpuwatchd resume`"
         )
         return f"mode:     paused{why}: actions hold {lasts}; {configured}"
@@ -252,11 +250,11 @@ def _evidence_lines(raw: object) -> list[str]:
 def render_text(result: Mapping[str, object]) -> str:
     """The text report of a :func:`describe` document."""
     now = as_number(result.get("now")) or 0.0
-    lines = [_header(result)]
+    lines = [_header(now, result)]
     if result.get("state") == "present":
         if not result.get("running"):
             lines.append("last known state:")
-        lines.append(_mode_line(result))
+        lines.append(_mode_line(now, result))
         paused = result.get("paused")
         lines.append(f"paused:   {_text(paused)}" + (" (ladders hold)" if paused else ""))
         lines.extend(_latch_lines(result))

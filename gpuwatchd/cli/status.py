@@ -68,9 +68,8 @@ def describe(
     read_error: str | None = None,
     evidence: list[dict[str, object]] | None = None,
 ) -> dict[str, object]:
-    """The ``status --json`` document for a saved state (None: there is none): the daemon's
-    status document, each value checked, plus whether the daemon is alive and how far each
-    time is from ``now_wall``. ``process``: what ``/proc/PID`` showed of the status section's
+    """The ``status --json`` document for a saved state (None: there is none) at ``now_wall``
+    (module docstring). ``process``: what ``/proc/PID`` showed of the status section's
     PID (:func:`look_at_process`; "unknown" or None: a recent poll alone says it runs).
     ``read_error``: why the state could not be read (exit 4). ``now_monotonic`` places the
     deadlines of a state older than the document (:func:`_older_state`). ``evidence``: the

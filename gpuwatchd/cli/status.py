@@ -20,7 +20,6 @@ from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.core.checked import as_count, as_flag, as_list, as_map, as_number, as_one_of, as_text
 from gpuwatchd.core.codec import pick
 from gpuwatchd.core.model import as_int
-from gpuwatchd.core.vocabulary import LadderStatus
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.state.directory import StateDir
 from gpuwatchd.state.saved import SavedState, read_saved_state
@@ -29,11 +28,14 @@ from gpuwatchd.state.status_document import (
     CLEAR_LATCHES,
     DOCUMENT_FORMAT,
     GPU,
+    LADDER_OF,
+    LADDER_STATE,
     MAX_ACTIONS,
     NVML,
     REASON,
     REJECTED,
     SPARE,
+    VERDICT,
     build_document,
     optional,
 )
@@ -286,13 +288,9 @@ _BREAKER: Mapping[str, _Check] = {"open": as_flag, "failures": as_count, "max_fa
 _GPU: Mapping[str, _Check] = {**GPU, **REASON, "reasons": as_count, "reset_blockers": as_count}
 _LADDER: Mapping[str, _Check] = {
     "target": as_text,
-    "pid": as_int,
-    "rule": as_text,
-    "gpu": as_text,
-    "finding": as_text,
+    **LADDER_OF,
     "label": as_text,
-    "status": as_one_of(*LadderStatus),
-    "dry_run": as_flag,
+    **LADDER_STATE,
     "step": as_count,
     "steps": as_count,
     "next": as_text,
@@ -316,11 +314,7 @@ _RESET_GPU: Mapping[str, _Check] = {
     "never": as_flag,
 }
 # Each GPU clean for a new job, as the daemon judged it (decide/verdict.py).
-_VERDICT: Mapping[str, _Check] = {
-    "clean": as_flag,
-    "error": as_text,
-    "gpus": lambda raw: _rows(raw, _GPU, 256),
-}
+_VERDICT: Mapping[str, _Check] = {**VERDICT, "gpus": lambda raw: _rows(raw, _GPU, 256)}
 _POLICY: Mapping[str, _Check] = {
     "files": lambda raw: _texts(raw) if isinstance(raw, list) else None,
     "rejected": lambda raw: optional(raw, REJECTED),

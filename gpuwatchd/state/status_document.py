@@ -38,16 +38,12 @@ ACTION = {
     "sentence": as_text,
 }
 NVML = {"state": as_one_of(*NVML_STATES), "error": as_text, "since": as_number}  # as last seen
-LADDER = {
-    "pid": as_int,
-    "rule": as_text,
-    "gpu": as_text,
-    "finding": as_text,
-    "status": as_one_of(*LadderStatus),
-    "dry_run": as_flag,
-}
+# A ladder's fields kept in the plan and shown as they are: what it is about, where it stands.
+LADDER_OF = {"pid": as_int, "rule": as_text, "gpu": as_text, "finding": as_text}
+LADDER_STATE = {"status": as_one_of(*LadderStatus), "dry_run": as_flag}
 GPU = {"index": as_int, "uuid": as_text, "state": as_one_of("clean", "dirty", "unknown")}
 REASON = {"kind": as_text, "reason": as_text}  # a GPU's first reason not to be clean
+VERDICT = {"clean": as_flag, "error": as_text}  # the node's, beside each GPU's
 SPARE = {"target": as_text, "until": as_number, "reason": as_text}
 REJECTED = {"at": as_number, "error": as_text, "at_start": lambda v: v is True, "running": as_text}
 
@@ -167,11 +163,12 @@ def _ladders(plan: Mapping[str, object], offset: float | None) -> list[dict[str,
             nxt = signal if isinstance(signal, str) else ("report" if signal is None else None)
         elif step is not None and step == total:
             nxt = "end"
-        row = pick(lad, LADDER)
+        row = pick(lad, LADDER_OF)
         out.append(
             {
                 "target": target,
                 **row,
+                **pick(lad, LADDER_STATE),
                 "label": _label(row["finding"]),
                 "step": step,
                 "steps": total,
@@ -214,7 +211,7 @@ def _verdict(raw: object) -> dict[str, object] | None:
                 "reset_blockers": len(as_list(entry.get("reset_blockers"))),
             }
         )
-    return {**pick(raw, {"clean": as_flag, "error": as_text}), "gpus": gpus}
+    return {**pick(raw, VERDICT), "gpus": gpus}
 
 
 def _actions(raw: object) -> list[dict[str, object]]:

@@ -106,17 +106,14 @@ def _reset_lines(now: float, resets: Mapping[str, object]) -> list[str]:
             f"{_text(entry.get('in_window'))} of {_text(resets.get('max_resets'))} "
             f"in the last {window}"
         )
-        cooldown = as_number(entry.get("cooldown_left"))
-        if cooldown:
-            parts.append(f"cooldown ends {until(cooldown)}")
-        limit = as_number(entry.get("limit_left"))
-        if limit:
-            parts.append(f"limit lifts {until(limit)}")
+        if entry.get("cooldown_left"):  # seconds, as describe worked them out
+            parts.append(f"cooldown ends {until(entry['cooldown_left'])}")
+        if entry.get("limit_left"):
+            parts.append(f"limit lifts {until(entry['limit_left'])}")
         elif "limit_left" in entry and entry["limit_left"] is None:
             parts.append("max_resets is 0: never reset")
         lines.append(f"  {_text(entry.get('gpu'))}: " + "; ".join(parts))
-        history = [as_number(t) for t in as_list(entry.get("history"))]
-        older = [t for t in history if t is not None and t != entry.get("last")]
+        older = [t for t in as_list(entry.get("history")) if t != entry.get("last")]  # numbers
         if older:
             lines.append("    earlier: " + ", ".join(_at(now, t) for t in older[-5:]))
     return lines

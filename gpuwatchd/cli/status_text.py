@@ -70,9 +70,8 @@ def _ladder_line(lad: Mapping[str, object]) -> str:
         return "  " + "  ".join(parts) + f": {_text(status)}"
     nxt = lad.get("next")
     what = "ends" if nxt == "end" else f"next {_text(nxt)}"
-    due_in = as_number(lad.get("due_in"))
     due = "due (time unknown)" if lad.get("scheduled") else "due"
-    when = due if due_in is None else until(due_in)
+    when = due if lad.get("due_in") is None else until(lad["due_in"])  # seconds (describe)
     dry = " (dry-run)" if lad.get("dry_run") else ""
     return "  " + "  ".join(parts) + f": {what} {when}{dry}"
 
@@ -218,8 +217,7 @@ def _work_lines(result: Mapping[str, object]) -> list[str]:
     if pending:
         lines.append("waiting (confirmation windows, post-action delays):")
         for item in pending:
-            due_in = as_number(item.get("due_in"))
-            when = "due" if due_in is None else until(due_in)
+            when = "due" if item.get("due_in") is None else until(item["due_in"])
             label = item.get("label") or item.get("finding")
             lines.append(f"  {_text(label)}: {when}")
     return lines

@@ -20,7 +20,6 @@ from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.core.checked import as_count, as_flag, as_list, as_map, as_number, as_one_of, as_text
 from gpuwatchd.core.codec import pick
 from gpuwatchd.core.model import as_int
-from gpuwatchd.core.vocabulary import LadderStatus
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.state.directory import StateDir
 from gpuwatchd.state.saved import SavedState, read_saved_state
@@ -28,11 +27,17 @@ from gpuwatchd.state.status_document import (
     ACTION,
     CLEAR_LATCHES,
     DOCUMENT_FORMAT,
+    GPU,
+    LADDER_OF,
+    LADDER_STATE,
     MAX_ACTIONS,
     NVML,
+    REASON,
     REJECTED,
     SPARE,
+    VERDICT,
     build_document,
+    optional,
 )
 
 STATUS_FORMAT = 1  # the "format" of ``status --json``
@@ -65,9 +70,8 @@ def describe(
     read_error: str | None = None,
     evidence: list[dict[str, object]] | None = None,
 ) -> dict[str, object]:
-    """The ``status --json`` document for a saved state (None: there is none): the daemon's
-    status document, each value checked, plus whether the daemon is alive and how far each
-    time is from ``now_wall``. ``process``: what ``/proc/PID`` showed of the status section's
+    """The ``status --json`` document for a saved state (None: there is none) at ``now_wall``
+    (module docstring). ``process``: what ``/proc/PID`` showed of the status section's
     PID (:func:`look_at_process`; "unknown" or None: a recent poll alone says it runs).
     ``read_error``: why the state could not be read (exit 4). ``now_monotonic`` places the
     deadlines of a state older than the document (:func:`_older_state`). ``evidence``: the
@@ -180,7 +184,7 @@ def _document_sections(
         "spares": [s for s in _rows(doc.get("spares"), SPARE, 64) if s["target"] is not None],
         "gpus": as_count(doc.get("gpus")),
         "findings": as_count(doc.get("findings")),
-        "verdict": _optional(doc.get("verdict"), _VERDICT),
+        "verdict": optional(doc.get("verdict"), _VERDICT),
         "policy": pick(doc.get("policy"), _POLICY),
         "clock": clock,
         "document": as_number(doc.get("written_at")),
@@ -264,11 +268,6 @@ def _rows(
     return [pick(item, spec) for item in chosen]
 
 
-def _optional(raw: object, spec: Mapping[str, _Check]) -> dict[str, object] | None:
-    """An object's fields by ``spec``; None (not said) when ``raw`` is no object."""
-    return pick(raw, spec) if isinstance(raw, Mapping) else None
-
-
 _MODES: Mapping[str, _Check] = {
     "mode": as_one_of("enforcing", "dry-run"),
     "effective_mode": as_one_of("enforcing", "dry-run", "paused", "forced-dry-run"),
@@ -286,24 +285,12 @@ _KILL_CAP: Mapping[str, _Check] = {
     "max_per_poll": as_count,
 }
 _BREAKER: Mapping[str, _Check] = {"open": as_flag, "failures": as_count, "max_failures": as_count}
-_GPU: Mapping[str, _Check] = {
-    "index": as_int,
-    "uuid": as_text,
-    "state": as_one_of("clean", "dirty", "unknown"),
-    "kind": as_text,
-    "reason": as_text,
-    "reasons": as_count,
-    "reset_blockers": as_count,
-}
+_GPU: Mapping[str, _Check] = {**GPU, **REASON, "reasons": as_count, "reset_blockers": as_count}
 _LADDER: Mapping[str, _Check] = {
     "target": as_text,
-    "pid": as_int,
-    "rule": as_text,
-    "gpu": as_text,
-    "finding": as_text,
+    **LADDER_OF,
     "label": as_text,
-    "status": as_one_of(*LadderStatus),
-    "dry_run": as_flag,
+    **LADDER_STATE,
     "step": as_count,
     "steps": as_count,
     "next": as_text,
@@ -327,20 +314,16 @@ _RESET_GPU: Mapping[str, _Check] = {
     "never": as_flag,
 }
 # Each GPU clean for a new job, as the daemon judged it (decide/verdict.py).
-_VERDICT: Mapping[str, _Check] = {
-    "clean": as_flag,
-    "error": as_text,
-    "gpus": lambda raw: _rows(raw, _GPU, 256),
-}
+_VERDICT: Mapping[str, _Check] = {**VERDICT, "gpus": lambda raw: _rows(raw, _GPU, 256)}
 _POLICY: Mapping[str, _Check] = {
     "files": lambda raw: _texts(raw) if isinstance(raw, list) else None,
-    "rejected": lambda raw: _optional(raw, REJECTED),
+    "rejected": lambda raw: optional(raw, REJECTED),
 }
 _RESETS: Mapping[str, _Check] = {
     "cooldown": as_number,
     "max_resets": as_count,
     "window": as_number,
-    "in_progress": lambda raw: _optional(raw, _IN_PROGRESS),
+    "in_progress": lambda raw: optional(raw, _IN_PROGRESS),
     "gpus": lambda raw: _rows(raw, _RESET_GPU, 256),
 }
 

@@ -23,9 +23,8 @@ def _at(now: float, when: object) -> str:
     return ago(now - t) if shown == "?" else f"{shown} ({ago(now - t)})"
 
 
-def _header(result: Mapping[str, object]) -> str:
+def _header(now: float, result: Mapping[str, object]) -> str:
     daemon = as_map(result.get("daemon"))
-    now = as_number(result.get("now")) or 0.0
     if result.get("health") == "unknown":
         return f"gpuwatchd status unknown: {result.get('why_not_running')}"
     if not result.get("running"):
@@ -39,17 +38,16 @@ def _header(result: Mapping[str, object]) -> str:
     return f"gpuwatchd is running: pid {daemon.get('pid')}{up}{poll}"
 
 
-def _mode_line(result: Mapping[str, object]) -> str:
+def _mode_line(now: float, result: Mapping[str, object]) -> str:
     mode, effective = result.get("mode"), result.get("effective_mode")
     configured = f"configured: {mode}" if mode else "configured mode unknown"
     if effective == "paused":
         reason = result.get("paused_reason")
         why = f" ({reason})" if reason else ""
         ends = as_number(result.get("paused_until"))
-        now = as_number(result.get("now"))
         lasts = (
             f"until {stamp(ends)} ({until(ends - now)}, ends by itself) or `gpuwatchd resume`"
-            if ends is not None and now is not None
+            if ends is not None
             else "until `gpuwatchd resume`"
         )
         return f"mode:     paused{why}: actions hold {lasts}; {configured}"
@@ -72,9 +70,8 @@ def _ladder_line(lad: Mapping[str, object]) -> str:
         return "  " + "  ".join(parts) + f": {_text(status)}"
     nxt = lad.get("next")
     what = "ends" if nxt == "end" else f"next {_text(nxt)}"
-    due_in = as_number(lad.get("due_in"))
     due = "due (time unknown)" if lad.get("scheduled") else "due"
-    when = due if due_in is None else until(due_in)
+    when = due if lad.get("due_in") is None else until(lad["due_in"])  # seconds (describe)
     dry = " (dry-run)" if lad.get("dry_run") else ""
     return "  " + "  ".join(parts) + f": {what} {when}{dry}"
 
@@ -108,17 +105,14 @@ def _reset_lines(now: float, resets: Mapping[str, object]) -> list[str]:
             f"{_text(entry.get('in_window'))} of {_text(resets.get('max_resets'))} "
             f"in the last {window}"
         )
-        cooldown = as_number(entry.get("cooldown_left"))
-        if cooldown:
-            parts.append(f"cooldown ends {until(cooldown)}")
-        limit = as_number(entry.get("limit_left"))
-        if limit:
-            parts.append(f"limit lifts {until(limit)}")
+        if entry.get("cooldown_left"):  # seconds, as describe worked them out
+            parts.append(f"cooldown ends {until(entry['cooldown_left'])}")
+        if entry.get("limit_left"):
+            parts.append(f"limit lifts {until(entry['limit_left'])}")
         elif "limit_left" in entry and entry["limit_left"] is None:
             parts.append("max_resets is 0: never reset")
         lines.append(f"  {_text(entry.get('gpu'))}: " + "; ".join(parts))
-        history = [as_number(t) for t in as_list(entry.get("history"))]
-        older = [t for t in history if t is not None and t != entry.get("last")]
+        older = [t for t in as_list(entry.get("history")) if t != entry.get("last")]  # numbers
         if older:
             lines.append("    earlier: " + ", ".join(_at(now, t) for t in older[-5:]))
     return lines
@@ -223,8 +217,7 @@ def _work_lines(result: Mapping[str, object]) -> list[str]:
     if pending:
         lines.append("waiting (confirmation windows, post-action delays):")
         for item in pending:
-            due_in = as_number(item.get("due_in"))
-            when = "due" if due_in is None else until(due_in)
+            when = "due" if item.get("due_in") is None else until(item["due_in"])
             label = item.get("label") or item.get("finding")
             lines.append(f"  {_text(label)}: {when}")
     return lines
@@ -252,11 +245,11 @@ def _evidence_lines(raw: object) -> list[str]:
 def render_text(result: Mapping[str, object]) -> str:
     """The text report of a :func:`describe` document."""
     now = as_number(result.get("now")) or 0.0
-    lines = [_header(result)]
+    lines = [_header(now, result)]
     if result.get("state") == "present":
         if not result.get("running"):
             lines.append("last known state:")
-        lines.append(_mode_line(result))
+        lines.append(_mode_line(now, result))
         paused = result.get("paused")
         lines.append(f"paused:   {_text(paused)}" + (" (ladders hold)" if paused else ""))
         lines.extend(_latch_lines(result))

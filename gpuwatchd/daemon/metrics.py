@@ -54,6 +54,8 @@ _SIGNALS = frozenset(SIGNAL_NAMES)
 _SIGNAL_OUTCOMES = frozenset(o.value for o in SignalOutcome)
 _RESET_RESULTS = frozenset(r.value for r in ResetResult)
 _KINDS = frozenset(k.value for k in FindingKind)
+# The hook metric's label of how a hook ended (``hook_outcome``); any other end is "failed".
+_HOOK_RESULTS = {HookOutcome.DRY_RUN.value: "dry_run", HOOK_SUCCEEDED: "ok"}
 
 
 def _without_created(text: bytes) -> bytes:
@@ -122,20 +124,15 @@ def remove_textfile(path: str) -> bool:
 
 def _ours(dir_fd: int, name: str) -> bool:
     """Whether ``name`` is a regular file whose first MiB holds our build_info sample."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        fd = os.open(
-            name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd
-        )
+        fd = os.open(name, flags, dir_fd=dir_fd)
+        try:
+            head = os.read(fd, 1 << 20) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+        finally:
+            os.close(fd)
     except OSError:
         return False
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
-        head = os.read(fd, 1 << 20)
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
     return b"\ngpuwatchd_build_info{" in b"\n" + head
 
 
@@ -430,58 +427,6 @@ class _PollGauges:
             self.full_scans.inc()
 
 
-class _EventCounters:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        counter = _maker(Counter, registry)
-        self.signals = counter(
-            "gpuwatchd_signals",
-            "Signals carried out (dry_run: would have been sent), by signal and outcome",
-            ("signal", "outcome"),
-        )
-        self.resets = counter("gpuwatchd_resets", "GPU reset procedures, by result", ("result",))
-        self.mig_recoveries = counter(
-            "gpuwatchd_mig_recoveries",
-            "Re-creations of one MIG GPU instance (reset.mig_recovery), by result",
-            ("result",),
-        )
-        self.hooks = counter(
-            "gpuwatchd_hooks",
-            "Hooks run, by hook and result (ok: exit 0; failed; dry_run: not started)",
-            ("hook", "result"),
-        )
-        self.findings_new = counter(
-            "gpuwatchd_findings_new", "Findings that appeared, by kind", ("kind",)
-        )
-        for result in ResetResult:  # known from the start, so increase() sees the first one
-            self.resets.labels(result.value)
-            self.mig_recoveries.labels(result.value)
-        for kind in FindingKind:
-            self.findings_new.labels(kind.value)
-
-    def observe(self, name: str, fields: Mapping[str, object]) -> None:
-        if name == EventName.ACTION_SIGNAL:
-            signal = _label(fields.get("signal"), _SIGNALS)
-            self.signals.labels(signal, _label(fields.get("outcome"), _SIGNAL_OUTCOMES)).inc()
-        elif name == EventName.RESET_OUTCOME:  # also said for a resumed reset it books
-            # A MIG GPU instance's re-creation is the reset procedure, but not a GPU reset.
-            counter = self.mig_recoveries if fields.get("instance") else self.resets
-            counter.labels(_label(fields.get("result"), _RESET_RESULTS)).inc()
-        elif name == EventName.HOOK_RUN:
-            hook = str(fields.get("hook"))
-            hook = hook if _HOOK_NAME.fullmatch(hook) else OTHER
-            self.hooks.labels(hook, _hook_result(fields)).inc()
-        elif name == EventName.FINDING_NEW:
-            self.findings_new.labels(_label(fields.get("kind"), _KINDS)).inc()
-
-
-def _hook_result(fields: Mapping[str, object]) -> str:
-    """The metric's label (ok, failed, dry_run) of how a hook ended (``hook_outcome``)."""
-    outcome = hook_outcome(fields)
-    if outcome == HookOutcome.DRY_RUN:
-        return "dry_run"
-    return "ok" if outcome == HOOK_SUCCEEDED else "failed"
-
-
 class Metrics:
     """gpuwatchd's metrics in a private registry, and the ``.prom`` file they are written to
     (``textfile``; None: kept, not written)."""
@@ -489,17 +434,41 @@ class Metrics:
     def __init__(self, textfile: str | None = None) -> None:
         self.registry = CollectorRegistry()
         self.textfile = textfile
-        _maker(Gauge, self.registry)(
+        registry = self.registry  # the groups are made in the order the exposition lists them
+        _maker(Gauge, registry)(
             "gpuwatchd_build_info", "Always 1; the version label is gpuwatchd's", ("version",)
         ).labels(__version__).set(1)
-        registry = self.registry  # the groups are made in the order the exposition lists them
-        self._events = _EventCounters(registry)
+        counter = _maker(Counter, registry)
+        self._signals = counter(
+            "gpuwatchd_signals",
+            "Signals carried out (dry_run: would have been sent), by signal and outcome",
+            ("signal", "outcome"),
+        )
+        self._resets = counter("gpuwatchd_resets", "GPU reset procedures, by result", ("result",))
+        self._mig_recoveries = counter(
+            "gpuwatchd_mig_recoveries",
+            "Re-creations of one MIG GPU instance (reset.mig_recovery), by result",
+            ("result",),
+        )
+        self._hooks = counter(
+            "gpuwatchd_hooks",
+            "Hooks run, by hook and result (ok: exit 0; failed; dry_run: not started)",
+            ("hook", "result"),
+        )
+        self._findings_new = counter(
+            "gpuwatchd_findings_new", "Findings that appeared, by kind", ("kind",)
+        )
+        for result in ResetResult:  # known from the start, so increase() sees the first one
+            self._resets.labels(result.value)
+            self._mig_recoveries.labels(result.value)
+        for kind in FindingKind:
+            self._findings_new.labels(kind.value)
         gpus, health, mig = _GpuGauges(registry), _HealthGauges(registry), _MigGauges(registry)
         self._assessed = (gpus, mig, health)  # each set from a poll's assessment, in this order
         self._state = _StateGauges(registry)
         self._verdict = _VerdictGauges(registry)
         self._poll = _PollGauges(registry)
-        self._write_errors = _maker(Counter, self.registry)(
+        self._write_errors = counter(
             "gpuwatchd_textfile_write_errors",
             "Failed writes of this file (seen once a later write succeeds)",
         )
@@ -508,7 +477,19 @@ class Metrics:
 
     def observe(self, name: str, level: Level, fields: Mapping[str, object]) -> None:
         """Count one engine event (``level`` is not used; the signature is the event sink's)."""
-        self._events.observe(name, fields)
+        if name == EventName.ACTION_SIGNAL:
+            signal = _label(fields.get("signal"), _SIGNALS)
+            self._signals.labels(signal, _label(fields.get("outcome"), _SIGNAL_OUTCOMES)).inc()
+        elif name == EventName.RESET_OUTCOME:  # also said for a resumed reset it books
+            # A MIG GPU instance's re-creation is the reset procedure, but not a GPU reset.
+            counter = self._mig_recoveries if fields.get("instance") else self._resets
+            counter.labels(_label(fields.get("result"), _RESET_RESULTS)).inc()
+        elif name == EventName.HOOK_RUN:
+            hook = str(fields.get("hook"))
+            hook = hook if _HOOK_NAME.fullmatch(hook) else OTHER
+            self._hooks.labels(hook, _HOOK_RESULTS.get(hook_outcome(fields), "failed")).inc()
+        elif name == EventName.FINDING_NEW:
+            self._findings_new.labels(_label(fields.get("kind"), _KINDS)).inc()
 
     def after_poll(self, report: PollReport, *, dry_run: bool, policy_rejected: bool) -> str | None:
         """Set the gauges from one completed poll's report, then write the file if one is

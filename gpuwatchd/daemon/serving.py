@@ -56,8 +56,7 @@ class ScanServing:
 
     def publish(self, report: PollReport, policy: Policy, host: RealHost) -> None:
         """Keep the poll's holder view and NVML reading (both from its report) to answer
-        ``scan`` from, and publish them: only while the device watch works; the view when it
-        changed or every holder_view.REFRESH seconds."""
+        ``scan`` from, and publish them; only while the device watch works."""
         snapshot, watch, nvml = report.snapshot, host.collector.watch, host.nvml
         self._last = None
         if watch is None or not watch.available or snapshot.boot_id is None:

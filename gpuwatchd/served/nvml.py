@@ -105,8 +105,7 @@ class ReadingPublisher:
 
     def publish(self, doc: Mapping[str, object] | None, *, rewrite: bool = False) -> None:
         """Write ``doc`` (from :func:`encode`), or only confirm the file when it says the same
-        but for its times; remove the file when None. ``rewrite``: write it in any case (the
-        holder view was written this poll, and both must name the same poll)."""
+        but for its times; remove the file when None. ``rewrite``: write it in any case."""
         if doc is None and not self._present:
             return
         state_dir = self._state_dir()

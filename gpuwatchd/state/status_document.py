@@ -5,7 +5,7 @@ In detail: docs/internals.md, section `gpuwatchd.state.status_document`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from gpuwatchd.core.checked import as_count, as_flag, as_list, as_map, as_number, as_one_of, as_text
@@ -38,15 +38,12 @@ ACTION = {
     "sentence": as_text,
 }
 NVML = {"state": as_one_of(*NVML_STATES), "error": as_text, "since": as_number}  # as last seen
-LADDER = {
-    "pid": as_int,
-    "rule": as_text,
-    "gpu": as_text,
-    "finding": as_text,
-    "status": as_one_of(*LadderStatus),
-    "dry_run": as_flag,
-}
-GPU_STATE = as_one_of("clean", "dirty", "unknown")
+# A ladder's fields kept in the plan and shown as they are: what it is about, where it stands.
+LADDER_OF = {"pid": as_int, "rule": as_text, "gpu": as_text, "finding": as_text}
+LADDER_STATE = {"status": as_one_of(*LadderStatus), "dry_run": as_flag}
+GPU = {"index": as_int, "uuid": as_text, "state": as_one_of("clean", "dirty", "unknown")}
+REASON = {"kind": as_text, "reason": as_text}  # a GPU's first reason not to be clean
+VERDICT = {"clean": as_flag, "error": as_text}  # the node's, beside each GPU's
 SPARE = {"target": as_text, "until": as_number, "reason": as_text}
 REJECTED = {"at": as_number, "error": as_text, "at_start": lambda v: v is True, "running": as_text}
 
@@ -73,8 +70,6 @@ def build_document(
         "failures": as_count(plan.get("reset_failures")),
         "max_failures": policy.reset.max_failures,
     }
-    raw_rejected = status.get("policy_rejected")
-    rejected = as_map(raw_rejected) if isinstance(raw_rejected, Mapping) else None
     files = status.get("policy")
     spares = [pick(item, SPARE) for item in as_list(status.get("spares"))[:64]]  # in force
     # As plan gates it: in dry-run (configured or forced), a dry-run reset starts a cooldown too.
@@ -92,20 +87,25 @@ def build_document(
         "verdict": _verdict(status.get("verdict")),
         "policy": {  # the files it runs with, and the configured policy it rejected
             "files": [f for f in files if isinstance(f, str)] if isinstance(files, list) else None,
-            "rejected": None if rejected is None else pick(rejected, REJECTED),
+            "rejected": optional(status.get("policy_rejected"), REJECTED),
         },
         "ladders": ladders,
         "pending": _pending(plan, ladders, offset),
         "recent_actions": _actions(status.get("recent_actions")),
         "resets": _resets(plan, data.get("reset_in_progress"), policy, wall, dry),
     }
-    doc["attention"] = _attention(doc, rejected)
+    doc["attention"] = _attention(doc)
     return DOCUMENT.envelope(doc)
 
 
 def action_sentence(name: str, fields: Mapping[str, object]) -> str:
     """The catalogue's sentence for an action event, as ``status`` lists it."""
     return render(name, fields, JournalNamer())
+
+
+def optional(raw: object, spec: Mapping[str, Callable[[object], object]]) -> dict[str, Any] | None:
+    """An object's fields by ``spec``; None (not said) when ``raw`` is no object."""
+    return pick(raw, spec) if isinstance(raw, Mapping) else None
 
 
 def _wall(offset: float | None, monotonic: float | None) -> float | None:
@@ -163,11 +163,12 @@ def _ladders(plan: Mapping[str, object], offset: float | None) -> list[dict[str,
             nxt = signal if isinstance(signal, str) else ("report" if signal is None else None)
         elif step is not None and step == total:
             nxt = "end"
-        row = pick(lad, LADDER)
+        row = pick(lad, LADDER_OF)
         out.append(
             {
                 "target": target,
                 **row,
+                **pick(lad, LADDER_STATE),
                 "label": _label(row["finding"]),
                 "step": step,
                 "steps": total,
@@ -204,13 +205,13 @@ def _verdict(raw: object) -> dict[str, object] | None:
         reasons = as_list(entry.get("reasons"))
         gpus.append(
             {
-                **pick(entry, {"index": as_int, "uuid": as_text, "state": GPU_STATE}),
-                **pick(reasons[0] if reasons else {}, {"kind": as_text, "reason": as_text}),
+                **pick(entry, GPU),
+                **pick(reasons[0] if reasons else {}, REASON),
                 "reasons": len(reasons),
                 "reset_blockers": len(as_list(entry.get("reset_blockers"))),
             }
         )
-    return {**pick(raw, {"clean": as_flag, "error": as_text}), "gpus": gpus}
+    return {**pick(raw, VERDICT), "gpus": gpus}
 
 
 def _actions(raw: object) -> list[dict[str, object]]:
@@ -279,9 +280,10 @@ def _resets(
     }
 
 
-def _attention(doc: Mapping[str, Any], rejected: Mapping[str, object] | None) -> list[str]:
+def _attention(doc: Mapping[str, Any]) -> list[str]:
     """What needs a human in the document ``doc`` (said even when the daemon is gone)."""
     kill_cap, breaker, nvml = doc["kill_cap"], doc["circuit_breaker"], doc["nvml"]
+    rejected = doc["policy"]["rejected"]
     out = []
     reason = kill_cap["reason"]
     if kill_cap["latched"] and isinstance(reason, str) and reason.startswith(UNREADABLE):
@@ -289,9 +291,8 @@ def _attention(doc: Mapping[str, Any], rejected: Mapping[str, object] | None) ->
     elif kill_cap["latched"]:
         why = f" ({reason})" if reason else ""
         out.append(f"kill cap reached{why}: dry-run forced; clear with `{CLEAR_LATCHES}`")
-    users = kill_cap.get("users_latched")
-    if isinstance(users, list) and users:
-        shown = ", ".join(escape(str(u)) for u in users)
+    if kill_cap["users_latched"]:  # a list (_kill_cap)
+        shown = ", ".join(escape(str(u)) for u in kill_cap["users_latched"])
         out.append(f"kill cap reached for {shown}: their targets in dry-run until it expires")
     if breaker["open"]:
         failures = breaker["failures"]
@@ -303,9 +304,9 @@ def _attention(doc: Mapping[str, Any], rejected: Mapping[str, object] | None) ->
         why = f": {nvml['error']}" if nvml["error"] else ""
         out.append(f"NVML unavailable{why}: no GPU is watched")
     if rejected is not None:
-        error = as_text(rejected.get("error")) or "unknown error"
-        if rejected.get("at_start") is True:
-            running = as_text(rejected.get("running")) or "another policy"
+        error = rejected["error"] or "unknown error"
+        if rejected["at_start"]:
+            running = rejected["running"] or "another policy"
             out.append(
                 f"policy rejected at start ({error}); running {running} instead: fix the "
                 "policy, then `systemctl reload gpuwatchd`"

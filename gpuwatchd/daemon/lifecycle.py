@@ -468,21 +468,17 @@ class Daemon:
             ended = self.policy_rejected
             self.policy_rejected = None
             fixed = ("state_dir", "devices_dir", "proc_root", "device_major", "mig_minors_file")
-            changed = [k for k in fixed if getattr(new, k) != getattr(self.policy, k)]
+            kept = {k: getattr(self.policy, k) for k in fixed}
+            changed = [k for k in fixed if getattr(new, k) != kept[k]]
             kernel_log = self.policy.health.kernel_log  # opened at start (collect/kernel_log.py)
             if new.health.kernel_log != kernel_log:
-                new = dataclasses.replace(
-                    new, health=dataclasses.replace(new.health, kernel_log=kernel_log)
-                )
                 changed.append("health.kernel_log")
             if new.log_format != self.policy.log_format:  # logging is set up at start
-                new = dataclasses.replace(new, log_format=self.policy.log_format)
                 changed.append("log.format")
             if changed:
                 log.warning(EventName.CONFIG_RELOAD_PARTIAL, needs_restart=changed)
-                new = dataclasses.replace(
-                    new, **{k: getattr(self.policy, k) for k in changed if k in fixed}
-                )
+            health = dataclasses.replace(new.health, kernel_log=kernel_log)
+            new = dataclasses.replace(new, health=health, log_format=self.policy.log_format, **kept)
             self._save_accepted(new)
             before = self.policy
             self.policy = self._effective(new)

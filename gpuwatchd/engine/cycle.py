@@ -383,16 +383,12 @@ class Engine:
         configuration (new ``before`` hooks, say) may succeed where a reset was refused: those
         incidents may be tried again."""
         self.policy, self.hostname = policy, hostname
-        if self.state.plan.reset_refusals:
-            gpus = sorted(self.state.plan.reset_refusals)
-            self.state.plan = forget_reset_refusals(self.state.plan)
-            for gpu in gpus:
-                self.emit(
-                    EventName.RESET_REFUSAL_CLEARED,
-                    Level.INFO,
-                    gpu=gpu,
-                    why="configuration reloaded",
-                )
+        gpus = sorted(self.state.plan.reset_refusals)
+        self.state.plan = forget_reset_refusals(self.state.plan)
+        for gpu in gpus:
+            self.emit(
+                EventName.RESET_REFUSAL_CLEARED, Level.INFO, gpu=gpu, why="configuration reloaded"
+            )
 
     def emit(self, event: str, level: Level, **fields: object) -> None:
         self.sink.emit(event, level, fields)

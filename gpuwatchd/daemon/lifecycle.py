@@ -83,6 +83,7 @@ RECENT_ACTIONS = 20  # actions remembered for `gpuwatchd status`
 NOTIFY_STOP_GRACE = 20.0  # seconds queued on_action hooks get when the daemon stops
 NOTIFY_CANCEL_WAIT = 10.0  # seconds a cancelled on_action hook gets to end its process tree
 STATUS_REFRESH = 60.0  # seconds between state writes that only refresh status.last_poll
+FIXED_SETTINGS = ("state_dir", "devices_dir", "proc_root", "device_major", "mig_minors_file")
 _ACTION_EVENTS = frozenset({EventName.ACTION_SIGNAL, EventName.RESET_OUTCOME, EventName.HOOK_RUN})
 
 
@@ -467,9 +468,8 @@ class Daemon:
         else:
             ended = self.policy_rejected
             self.policy_rejected = None
-            fixed = ("state_dir", "devices_dir", "proc_root", "device_major", "mig_minors_file")
-            kept = {k: getattr(self.policy, k) for k in fixed}
-            changed = [k for k in fixed if getattr(new, k) != kept[k]]
+            kept = {k: getattr(self.policy, k) for k in FIXED_SETTINGS}
+            changed = [k for k in FIXED_SETTINGS if getattr(new, k) != kept[k]]
             kernel_log = self.policy.health.kernel_log  # opened at start (collect/kernel_log.py)
             if new.health.kernel_log != kernel_log:
                 changed.append("health.kernel_log")

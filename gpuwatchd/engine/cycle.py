@@ -17,7 +17,7 @@ from gpuwatchd.act.evidence import EvidenceAction, EvidenceKeeper, Kept, Step
 from gpuwatchd.act.reset import perform_reset
 from gpuwatchd.act.reset_resume import resume_interrupted
 from gpuwatchd.act.reset_target import ResetOutcome, ResetTarget, outcome_event, progress_record
-from gpuwatchd.core.checked import as_text
+from gpuwatchd.core.checked import as_list, as_text
 from gpuwatchd.core.model import (
     GpuInfo,
     ProcessIdentity,
@@ -765,10 +765,8 @@ class Engine:
             needs_reboot=outcome.needs_reboot,
         )
         flight = self.state.plan.reset_in_flight
-        uuid = record.get("uuid")
-        if flight is not None and flight.gpu == uuid:
-            layout = record.get("mig_layout")
-            recoveries = map(from_record, layout if isinstance(layout, list) else ())
+        if flight is not None and flight.gpu == record.get("uuid"):
+            recoveries = map(from_record, as_list(record.get("mig_layout")))
             intent = ResetIntent(
                 gpu=flight.gpu,
                 pci_bus_id=as_text(record.get("pci_bus_id")),

@@ -47,7 +47,6 @@ from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import (
     UNREADABLE,
-    NodeVerdict,
     OnceStep,
     lost_state,
     once_progress,
@@ -336,7 +335,9 @@ class Daemon:
             log.info(EventName.RUN_ONCE_DONE, waited=round(waited, 3))
             return ExitCode.OK
         code = ExitCode.TEMPFAIL
-        if verdict is not None and self._unproven_for_lack_of_privilege(verdict):
+        states = set() if verdict is None else {g.state for g in verdict.gpus}
+        unknown = Cleanliness.UNKNOWN in states and Cleanliness.DIRTY not in states
+        if unknown and missing_capabilities(self.policy.proc_root):
             code = ExitCode.NOPERM  # as check-clean: nothing dirty, but nothing proven clean
         if step is OnceStep.STUCK:
             log.warning(
@@ -347,13 +348,6 @@ class Daemon:
             log.warning(EventName.RUN_ONCE_TIMEOUT, pending=pending, left=left, exit_code=code)
             return code
         return None
-
-    def _unproven_for_lack_of_privilege(self, verdict: NodeVerdict) -> bool:
-        """No GPU dirty, some unknown, and no capabilities to inspect processes."""
-        gpus = verdict.gpus
-        if any(g.state is Cleanliness.DIRTY for g in gpus) or all(g.clean for g in gpus):
-            return False
-        return bool(missing_capabilities(self.policy.proc_root))
 
     def _take_ended_jobs(self) -> None:
         """Jobs an epilog's ``run --once --ended-job`` handed over while this daemon ran."""

@@ -500,15 +500,10 @@ class Engine:
         return hook_environment(
             intent.hook,
             reason=intent.reason,
-            gpu_uuid=values["uuid"],
-            gpu_pci_bus_id=values["pci_bus_id"],
-            gpu_minor=values["minor"],
+            **{f"gpu_{key}": values[key] for key in ("uuid", "pci_bus_id", "minor")},
             user=values["user"],
             hostname=self.hostname,
-            action=facts.get("action"),
-            outcome=facts.get("outcome"),
-            pid=facts.get("pid"),
-            rule=facts.get("rule"),
+            **{key: facts.get(key) for key in ("action", "outcome", "pid", "rule")},
             message=notification(facts) if intent.hook == HookName.ON_ACTION else None,
         )
 

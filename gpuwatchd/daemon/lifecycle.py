@@ -184,7 +184,6 @@ class Daemon:
         )
 
     def _init_loop_state(self, rejected_at_start: Mapping[str, object] | None) -> None:
-        """The main loop's own state."""
         self._wakeup_r, self._wakeup_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._ready_sent = False
         self._saved_key: tuple[object, ...] | None = None

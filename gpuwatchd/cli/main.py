@@ -45,9 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
         name: str, run: _Run, summary: str, parent: argparse.ArgumentParser = common
     ) -> argparse.ArgumentParser:
         """A subcommand that ``run`` carries out, taking the shared ``--config`` unless given
-        another parent."""
+        another parent, with its description and exit codes (:mod:`gpuwatchd.cli.helptext`)."""
         command = sub.add_parser(name, parents=[parent], help=summary)
         command.set_defaults(run=run)
+        describe(command, name)
         return command
 
     _add_scan_and_run(add)
@@ -67,8 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
         "what the daemon is doing, read from its state (exit 0 ok, 1 attention, 3 stopped)",
     )
     status.add_argument("--json", action="store_true", help="print the status as JSON")
-    for name, command in sub.choices.items():
-        describe(command, name)
     return parser
 
 

@@ -25,15 +25,16 @@ MAX_PAUSE = 5.0  # seconds between two looks, whatever the policy's interval
 
 
 def daemon_busy(
-    state: Mapping[str, object], report: Mapping[str, object], dirty: set[str]
+    state: Mapping[str, object], report: Mapping[str, object], verdict: NodeVerdict
 ) -> list[str]:
     """What the daemon, by its state file, still has to do about ``report``'s findings on the GPUs
-    not clean (``dirty``): one it has not seen yet, or one with a ladder, a window or a reset under
-    way (:func:`pending_keys`). Empty: nothing it does will change those GPUs."""
+    not clean by ``verdict``: one it has not seen yet, or one with a ladder, a window or a reset
+    under way (:func:`pending_keys`). Empty: nothing it does will change those GPUs."""
     try:
         plan = PlanState.from_json(state.get("plan"))
     except ValueError:
         return ["the daemon's state cannot be read (yet)"]
+    dirty = {g.uuid for g in verdict.gpus if not g.clean}
     keyed = {
         str(f.get("key")): f
         for f in map(as_map, as_list(report.get("findings")))
@@ -79,19 +80,6 @@ def _still_running(policy: Policy, state: Mapping[str, object]) -> bool:
     return pid is None or look_at_process(policy.proc_root, pid) in ("gpuwatchd", "unknown")
 
 
-def _progress(
-    state: Mapping[str, object],
-    report: Mapping[str, object],
-    verdict: NodeVerdict,
-    unread: str | None,
-) -> tuple[OnceStep, list[str]]:
-    """Where the daemon stands by a scan's ``report`` (:func:`once_progress`); never done when
-    the scan could not read the daemon's saved state (``unread``: why): as check-clean, it
-    cannot tell, and waiting will not tell it."""
-    dirty = {g.uuid for g in verdict.gpus if not g.clean}
-    return once_progress(verdict, daemon_busy(state, report, dirty), unread)
-
-
 def wait_for_daemon(
     policy: Policy,
     timeout: float,
@@ -132,7 +120,8 @@ def wait_for_daemon(
                 why = verdict.unavailable if verdict is not None else None
                 out.write(f"gpuwatchd: {why or 'NVML did not answer within nvml_timeout'}\n")
                 return ExitCode.UNAVAILABLE
-            step, left = _progress(state, result.report, verdict, result.state_unread)
+            busy = daemon_busy(state, result.report, verdict)
+            step, left = once_progress(verdict, busy, result.state_unread)
             waited = format_duration(max(0.0, clock() - started))
             if step is OnceStep.DONE:
                 out.write(f"gpuwatchd: clean: every GPU, nothing left to act on (after {waited})\n")

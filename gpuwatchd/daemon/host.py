@@ -211,9 +211,8 @@ class RealHost:
     hook_queue: HookQueue = field(default_factory=HookQueue)
 
     def apply(self, policy: Policy) -> None:
-        """Hand the policy's reloadable settings to the parts that keep a copy of them. The
-        fixed ones (``state_dir``, ``devices_dir``, ``proc_root``, ``device_major``,
-        ``mig_minors_file``) need a restart: the daemon's reload keeps them."""
+        """Hand the policy's reloadable settings to the parts that keep a copy of them (the
+        daemon's reload keeps the others: ``daemon.lifecycle.FIXED_SETTINGS``)."""
         self.nvml.timeout = policy.nvml_timeout
         self.collector.full_scan_interval = policy.full_scan_interval
         self.collector.backstop = policy.full_scan_backstop

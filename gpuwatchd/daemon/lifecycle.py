@@ -47,7 +47,6 @@ from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import (
     UNREADABLE,
-    NodeVerdict,
     OnceStep,
     lost_state,
     once_progress,
@@ -83,6 +82,7 @@ RECENT_ACTIONS = 20  # actions remembered for `gpuwatchd status`
 NOTIFY_STOP_GRACE = 20.0  # seconds queued on_action hooks get when the daemon stops
 NOTIFY_CANCEL_WAIT = 10.0  # seconds a cancelled on_action hook gets to end its process tree
 STATUS_REFRESH = 60.0  # seconds between state writes that only refresh status.last_poll
+FIXED_SETTINGS = ("state_dir", "devices_dir", "proc_root", "device_major", "mig_minors_file")
 _ACTION_EVENTS = frozenset({EventName.ACTION_SIGNAL, EventName.RESET_OUTCOME, EventName.HOOK_RUN})
 
 
@@ -184,7 +184,6 @@ class Daemon:
         )
 
     def _init_loop_state(self, rejected_at_start: Mapping[str, object] | None) -> None:
-        """The main loop's own state."""
         self._wakeup_r, self._wakeup_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._ready_sent = False
         self._saved_key: tuple[object, ...] | None = None
@@ -335,7 +334,9 @@ class Daemon:
             log.info(EventName.RUN_ONCE_DONE, waited=round(waited, 3))
             return ExitCode.OK
         code = ExitCode.TEMPFAIL
-        if verdict is not None and self._unproven_for_lack_of_privilege(verdict):
+        states = set() if verdict is None else {g.state for g in verdict.gpus}
+        unknown = Cleanliness.UNKNOWN in states and Cleanliness.DIRTY not in states
+        if unknown and missing_capabilities(self.policy.proc_root):
             code = ExitCode.NOPERM  # as check-clean: nothing dirty, but nothing proven clean
         if step is OnceStep.STUCK:
             log.warning(
@@ -346,13 +347,6 @@ class Daemon:
             log.warning(EventName.RUN_ONCE_TIMEOUT, pending=pending, left=left, exit_code=code)
             return code
         return None
-
-    def _unproven_for_lack_of_privilege(self, verdict: NodeVerdict) -> bool:
-        """No GPU dirty, some unknown, and no capabilities to inspect processes."""
-        gpus = verdict.gpus
-        if any(g.state is Cleanliness.DIRTY for g in gpus) or all(g.clean for g in gpus):
-            return False
-        return bool(missing_capabilities(self.policy.proc_root))
 
     def _take_ended_jobs(self) -> None:
         """Jobs an epilog's ``run --once --ended-job`` handed over while this daemon ran."""
@@ -467,22 +461,17 @@ class Daemon:
         else:
             ended = self.policy_rejected
             self.policy_rejected = None
-            fixed = ("state_dir", "devices_dir", "proc_root", "device_major", "mig_minors_file")
-            changed = [k for k in fixed if getattr(new, k) != getattr(self.policy, k)]
+            kept = {k: getattr(self.policy, k) for k in FIXED_SETTINGS}
+            changed = [k for k in FIXED_SETTINGS if getattr(new, k) != kept[k]]
             kernel_log = self.policy.health.kernel_log  # opened at start (collect/kernel_log.py)
             if new.health.kernel_log != kernel_log:
-                new = dataclasses.replace(
-                    new, health=dataclasses.replace(new.health, kernel_log=kernel_log)
-                )
                 changed.append("health.kernel_log")
             if new.log_format != self.policy.log_format:  # logging is set up at start
-                new = dataclasses.replace(new, log_format=self.policy.log_format)
                 changed.append("log.format")
             if changed:
                 log.warning(EventName.CONFIG_RELOAD_PARTIAL, needs_restart=changed)
-                new = dataclasses.replace(
-                    new, **{k: getattr(self.policy, k) for k in changed if k in fixed}
-                )
+            health = dataclasses.replace(new.health, kernel_log=kernel_log)
+            new = dataclasses.replace(new, health=health, log_format=self.policy.log_format, **kept)
             self._save_accepted(new)
             before = self.policy
             self.policy = self._effective(new)

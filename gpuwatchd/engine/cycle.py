@@ -17,7 +17,7 @@ from gpuwatchd.act.evidence import EvidenceAction, EvidenceKeeper, Kept, Step
 from gpuwatchd.act.reset import perform_reset
 from gpuwatchd.act.reset_resume import resume_interrupted
 from gpuwatchd.act.reset_target import ResetOutcome, ResetTarget, outcome_event, progress_record
-from gpuwatchd.core.checked import as_text
+from gpuwatchd.core.checked import as_list, as_text
 from gpuwatchd.core.model import (
     GpuInfo,
     ProcessIdentity,
@@ -383,16 +383,12 @@ class Engine:
         configuration (new ``before`` hooks, say) may succeed where a reset was refused: those
         incidents may be tried again."""
         self.policy, self.hostname = policy, hostname
-        if self.state.plan.reset_refusals:
-            gpus = sorted(self.state.plan.reset_refusals)
-            self.state.plan = forget_reset_refusals(self.state.plan)
-            for gpu in gpus:
-                self.emit(
-                    EventName.RESET_REFUSAL_CLEARED,
-                    Level.INFO,
-                    gpu=gpu,
-                    why="configuration reloaded",
-                )
+        gpus = sorted(self.state.plan.reset_refusals)
+        self.state.plan = forget_reset_refusals(self.state.plan)
+        for gpu in gpus:
+            self.emit(
+                EventName.RESET_REFUSAL_CLEARED, Level.INFO, gpu=gpu, why="configuration reloaded"
+            )
 
     def emit(self, event: str, level: Level, **fields: object) -> None:
         self.sink.emit(event, level, fields)
@@ -504,15 +500,10 @@ class Engine:
         return hook_environment(
             intent.hook,
             reason=intent.reason,
-            gpu_uuid=values["uuid"],
-            gpu_pci_bus_id=values["pci_bus_id"],
-            gpu_minor=values["minor"],
+            **{f"gpu_{key}": values[key] for key in ("uuid", "pci_bus_id", "minor")},
             user=values["user"],
             hostname=self.hostname,
-            action=facts.get("action"),
-            outcome=facts.get("outcome"),
-            pid=facts.get("pid"),
-            rule=facts.get("rule"),
+            **{key: facts.get(key) for key in ("action", "outcome", "pid", "rule")},
             message=notification(facts) if intent.hook == HookName.ON_ACTION else None,
         )
 
@@ -769,10 +760,8 @@ class Engine:
             needs_reboot=outcome.needs_reboot,
         )
         flight = self.state.plan.reset_in_flight
-        uuid = record.get("uuid")
-        if flight is not None and flight.gpu == uuid:
-            layout = record.get("mig_layout")
-            recoveries = map(from_record, layout if isinstance(layout, list) else ())
+        if flight is not None and flight.gpu == record.get("uuid"):
+            recoveries = map(from_record, as_list(record.get("mig_layout")))
             intent = ResetIntent(
                 gpu=flight.gpu,
                 pci_bus_id=as_text(record.get("pci_bus_id")),

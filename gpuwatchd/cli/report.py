@@ -17,6 +17,7 @@ from gpuwatchd.core.model import (
     MigDevice,
     NvmlProcess,
     Snapshot,
+    as_int,
     fields_of,
 )
 from gpuwatchd.decide.assess.shared import HolderRole
@@ -41,23 +42,26 @@ _GPU = (
     "nvlink_active",
     "reset_needs_nvlink_peers",
 )
-_FACTS = (
-    "alive",
-    "user",
-    "uid",
-    "state",
-    "start_ticks",
-    "started",
-    "ppid",
-    "pgid",
-    "sid",
-    "comm",
-    "exe",
-    "exe_trusted",
-    "cmdline",
-    "nspid",
-    "cgroup",
-)
+# A process's facts in the document's order, each copied as it is with the reader that takes it
+# back (report_read.py); None: built here from more than the one attribute.
+PROCESS_FACTS: Mapping[str, Callable[[object], object] | None] = {
+    "alive": None,
+    "user": as_text,
+    "uid": as_int,
+    "state": as_text,
+    "start_ticks": as_int,
+    "started": None,
+    "ppid": as_int,
+    "pgid": as_int,
+    "sid": as_int,
+    "comm": as_text,
+    "exe": as_text,
+    "exe_trusted": as_flag,
+    "cmdline": None,
+    "nspid": None,
+    "cgroup": None,
+}
+PROCESS_COPIED = {key: read for key, read in PROCESS_FACTS.items() if read is not None}
 _MEMORY = ("total", "used=allocated", "reserved", "free", "api", "used_v1")
 # A process's cgroup in the document (and its "job"), each field with the reader that takes it
 # back (report_read.py).
@@ -161,18 +165,19 @@ class _Entries:
         """Host facts of one process; every value None when not collected. Missing facts of a
         PID NVML ``listed`` mean it is not in /proc (``alive`` False); of a device holder (seen
         there), unknown."""
+        facts = dict.fromkeys(PROCESS_FACTS)  # each key keeps its place in the document
         info = self.snapshot.processes.get(pid)
         if info is None:
-            return {**dict.fromkeys(_FACTS), "alive": False if listed else None}
+            return {**facts, "alive": False if listed else None}
         started = None
         if info.start_ticks is not None and self.boot_time is not None and self.clock_ticks:
             started = self.boot_time + info.start_ticks / self.clock_ticks
         cgroup = info.cgroup
         return {
+            **facts,
+            **fields_of(info, tuple(PROCESS_COPIED)),
             "alive": not info.is_zombie,
-            **fields_of(info, ("user", "uid", "state", "start_ticks")),
             "started": started,
-            **fields_of(info, ("ppid", "pgid", "sid", "comm", "exe", "exe_trusted")),
             "cmdline": None if info.cmdline is None else list(info.cmdline),
             "nspid": None if info.nspid is None else list(info.nspid),
             "cgroup": None if cgroup is None else fields_of(cgroup, _CGROUP),

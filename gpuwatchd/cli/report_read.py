@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
-from gpuwatchd.cli.report import CGROUP_FIELDS
+from gpuwatchd.cli.report import CGROUP_FIELDS, PROCESS_COPIED
 from gpuwatchd.cli.spare import spares_from_report
 from gpuwatchd.collect.mig import cap_minor
 from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_file
@@ -54,21 +54,6 @@ def _need(data: Mapping[str, object], key: str, types: tuple[type[T], ...], wher
     return value
 
 
-# The fields of a saved process entry read back, each by its lenient reader.
-_PROCESS = {
-    "start_ticks": as_int,
-    "state": as_text,
-    "ppid": as_int,
-    "pgid": as_int,
-    "sid": as_int,
-    "uid": as_int,
-    "user": as_text,
-    "comm": as_text,
-    "exe": as_text,
-    "exe_trusted": as_flag,
-}
-
-
 def _process(entry: Mapping[str, object]) -> ProcessInfo | None:
     pid = as_int(entry.get("pid"))
     if pid is None or (entry.get("alive") is None and entry.get("state") is None):
@@ -80,7 +65,7 @@ def _process(entry: Mapping[str, object]) -> ProcessInfo | None:
     cmdline = entry.get("cmdline")
     return ProcessInfo(
         pid=pid,
-        **pick(entry, _PROCESS),
+        **pick(entry, PROCESS_COPIED),
         cmdline=tuple(str(a) for a in cmdline) if isinstance(cmdline, list) else None,
         cgroup=cgroup,
     )

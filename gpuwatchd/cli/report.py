@@ -25,23 +25,24 @@ from gpuwatchd.decide.floor import driver_refusers
 from gpuwatchd.decide.mig.instances import MigLayout, instance_gpu, instance_view, mig_layout
 from gpuwatchd.decide.verdict import NodeVerdict
 
-# The attributes each entry copies as they are, in the document's order.
-_GPU = (
-    "index",
-    "uuid",
-    "name",
-    "pci_bus_id",
-    "minor",
-    "lost",
-    "error",
-    "mig_enabled",
-    "persistence_mode",
-    "coherent_memory",
-    "numa_node",
-    "architecture",
-    "nvlink_active",
-    "reset_needs_nvlink_peers",
-)
+# The attributes each GPU entry copies as they are, in the document's order, each with the reader
+# that takes it back (report_read.py; None: read there by hand, or not at all).
+GPU_FIELDS: Mapping[str, Callable[[object], object] | None] = {
+    "index": None,
+    "uuid": None,
+    "name": as_text,
+    "pci_bus_id": as_text,
+    "minor": as_int,
+    "lost": None,
+    "error": None,
+    "mig_enabled": as_flag,
+    "persistence_mode": None,
+    "coherent_memory": None,
+    "numa_node": None,
+    "architecture": as_int,
+    "nvlink_active": as_int,
+    "reset_needs_nvlink_peers": None,
+}
 # A process's facts in the document's order, each copied as it is with the reader that takes it
 # back (report_read.py); None: built here from more than the one attribute.
 PROCESS_FACTS: Mapping[str, Callable[[object], object] | None] = {
@@ -208,7 +209,7 @@ class _Entries:
             memory.update(fields_of(gpu.memory, _MEMORY))
         memory["baseline"] = self.baselines.get(gpu.uuid)
         return {
-            **fields_of(gpu, _GPU),
+            **fields_of(gpu, tuple(GPU_FIELDS)),
             "health": _health_entry(gpu.health),
             "memory": memory,
             "report_only": self.report_only.get(gpu.uuid),

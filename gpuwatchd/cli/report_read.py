@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
-from gpuwatchd.cli.report import CGROUP_FIELDS, PROCESS_COPIED
+from gpuwatchd.cli.report import CGROUP_FIELDS, GPU_FIELDS, PROCESS_COPIED
 from gpuwatchd.cli.spare import spares_from_report
 from gpuwatchd.collect.mig import cap_minor
 from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_file
@@ -196,14 +196,7 @@ def _first_huge_number(value: object, where: str) -> str | None:
     return None
 
 
-_GPU = {
-    "name": as_text,
-    "pci_bus_id": as_text,
-    "minor": as_int,
-    "mig_enabled": as_flag,
-    "architecture": as_int,
-    "nvlink_active": as_int,
-}
+_GPU = {key: read for key, read in GPU_FIELDS.items() if read is not None}
 
 
 def _gpu(raw: Mapping[str, object], where: str) -> GpuInfo:

@@ -79,17 +79,19 @@ CGROUP_FIELDS: Mapping[str, Callable[[object], object]] = {
 _CGROUP = (*CGROUP_FIELDS, "job=job_key")
 # The parts of a GPU entry a MIG instance's entry keeps (the rest is the parent's to say).
 _KEPT = ("memory", "report_only", "notes", "processes_known", "processes", "holders", "verdict")
-_FINDING = (
-    "kind",
-    "gpu",
-    "pid",
-    "start_ticks",
-    "reason",
-    "memory",
-    "actionable",
-    "evidence",
-    "key",
-)
+# A finding's fields in the document's order, each with the types report_read takes it back as
+# (None: read there by hand, or not at all).
+FINDING_FIELDS: Mapping[str, tuple[type, ...] | None] = {
+    "kind": None,
+    "gpu": (str, type(None)),
+    "pid": (int, type(None)),
+    "start_ticks": (int, type(None)),
+    "reason": (str,),
+    "memory": (int, type(None)),
+    "actionable": (bool,),
+    "evidence": None,
+    "key": None,
+}
 
 
 def build_report(
@@ -134,7 +136,7 @@ def build_report(
         "gpus": entries.gpus(layout, verdict),
         "findings": [
             {
-                **fields_of(finding, _FINDING),
+                **fields_of(finding, tuple(FINDING_FIELDS)),
                 "kind": finding.kind.value,
                 "evidence": _jsonable(finding.evidence),
                 "first_seen": seen.get(finding.key),

@@ -10,9 +10,9 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from gpuwatchd.cli.report import CGROUP_FIELDS, GPU_FIELDS, PROCESS_COPIED
+from gpuwatchd.cli.report import CGROUP_FIELDS, FINDING_FIELDS, GPU_FIELDS, PROCESS_COPIED
 from gpuwatchd.cli.spare import spares_from_report
 from gpuwatchd.collect.mig import cap_minor
 from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_file
@@ -197,6 +197,7 @@ def _first_huge_number(value: object, where: str) -> str | None:
 
 
 _GPU = {key: read for key, read in GPU_FIELDS.items() if read is not None}
+_FINDING = {key: types for key, types in FINDING_FIELDS.items() if types is not None}
 
 
 def _gpu(raw: Mapping[str, object], where: str) -> GpuInfo:
@@ -317,16 +318,8 @@ def _read_findings(findings_raw: list[object]) -> tuple[list[Finding], dict[str,
         if kind not in kinds:
             raise SnapshotError(f"{where}.kind: unknown finding kind {kind!r}")
         evidence = _need(raw, "evidence", (dict,), where)
-        finding = Finding(
-            kind=FindingKind(kind),
-            gpu=_need(raw, "gpu", (str, type(None)), where),
-            pid=_need(raw, "pid", (int, type(None)), where),
-            start_ticks=_need(raw, "start_ticks", (int, type(None)), where),
-            reason=_need(raw, "reason", (str,), where),
-            memory=_need(raw, "memory", (int, type(None)), where),
-            actionable=_need(raw, "actionable", (bool,), where),
-            evidence=evidence,
-        )
+        checked: dict[str, Any] = {k: _need(raw, k, types, where) for k, types in _FINDING.items()}
+        finding = Finding(kind=FindingKind(kind), evidence=evidence, **checked)
         seen = raw.get("first_seen")
         if isinstance(seen, (int, float)) and not isinstance(seen, bool):
             first_seen[finding.key] = float(seen)

@@ -141,7 +141,7 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
         if not finding.actionable:
             why = report_only.get(finding.gpu or "") or report_only.get("node")
             stops.append(f"report only: {why or 'the assessment marked it not actionable'}")
-        case = _Case(item, stops, finding, findings, proc, snapshot, policy, now, since)
+        case = _Case(item, stops, finding, findings, proc, snapshot, policy, since)
         if finding.kind == FindingKind.GHOST_MEMORY:
             _explain_reset(case)
             latch = kill_cap_note(0, daemon, policy.limits) if daemon.forced_dry_run else None
@@ -198,7 +198,6 @@ class _Case:
     proc: ProcessInfo | None
     snapshot: Snapshot
     policy: Policy
-    now: float
     since: float | None
 
 
@@ -206,7 +205,7 @@ def _explain_process(case: _Case) -> bool:
     """A process finding's matching rule, its ladder and what would stop it; True when the
     rule's first step would signal it (the kill cap and the post-action delay then apply)."""
     item, stops, finding, proc = case.item, case.stops, case.finding, case.proc
-    snapshot, policy, now, since = case.snapshot, case.policy, case.now, case.since
+    snapshot, policy, since = case.snapshot, case.policy, case.since
     rule = rule_for(finding, proc, policy, lasted=math.inf)
     if rule is None:
         item["no_rule_because"] = _no_rule(finding, proc, policy)
@@ -218,7 +217,7 @@ def _explain_process(case: _Case) -> bool:
             if finding.kind == FindingKind.STUCK
             else "report"
         )
-        item["next"] = {"action": action, **_when(now, since, rule.for_)}
+        item["next"] = {"action": action, **_when(snapshot.wall_time, since, rule.for_)}
         # Each step's wait comes before the step after it; the last one's, before the end.
         item["then"] = [
             f"wait {duration(before.wait)}, then {step.signal or 'report'}"
@@ -264,7 +263,7 @@ def _note_limits(
 def _explain_reset(case: _Case) -> None:
     """What the ``reset`` policy does with a ghost_memory finding."""
     item, stops, finding, snapshot = case.item, case.stops, case.finding, case.snapshot
-    policy, now, since = case.policy, case.now, case.since
+    policy, since = case.policy, case.since
     reset = policy.reset
     if not reset.enabled:
         stops.append("reset.enabled is false")
@@ -274,7 +273,7 @@ def _explain_reset(case: _Case) -> None:
     instance = instance_recovery(snapshot, finding) if reset.mig_recovery else None
     if instance is not None:  # a MIG GPU instance: re-created in place, never a GPU reset
         action = instance.describe().replace("re-create", "re-creation of", 1)
-    item["next"] = {"action": action, **_when(now, since, reset.confirm_for)}
+    item["next"] = {"action": action, **_when(snapshot.wall_time, since, reset.confirm_for)}
     item["then"] = [_reset_limits(policy) + (" (the parent GPU's)" if instance is not None else "")]
     _gate_stops(case)
     if policy.dry_run:

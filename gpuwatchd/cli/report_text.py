@@ -469,9 +469,7 @@ def _node_notes(report: Mapping[str, object], gpu_uuids: set[str]) -> list[str]:
 
 
 def _table(rows: Sequence[Sequence[str]]) -> list[str]:
-    """Rows as left-aligned columns two spaces apart; the last column is not padded."""
-    if not rows:
-        return []
+    """Rows (at least one) as left-aligned columns two spaces apart; the last is not padded."""
     widths = [0] * max(len(row) for row in rows)
     for row in rows:
         for column, cell in enumerate(row[:-1]):

@@ -187,8 +187,7 @@ class _Entries:
         }
 
     def gpus(self, layout: MigLayout, verdict: NodeVerdict | None) -> list[dict[str, object]]:
-        """Each GPU's entry in index order, its MIG instances under it (each built as a GPU's
-        entry is, from :func:`instance_view`) and its verdict (when judged)."""
+        """Each GPU's entry in index order, with its MIG instances and its verdict (when judged)."""
         view = instance_view(self.snapshot, layout)
         judged = {} if verdict is None else {g.uuid: g for g in verdict.gpus}
         gpus = []

@@ -123,11 +123,9 @@ class RunningDaemon:
 def running_daemon(
     policy: Policy, state_dir: StateDir | None, procfs: ProcFS
 ) -> RunningDaemon | None:
-    """The daemon and its NVML workers when one runs now beside this command (else None),
-    so that its worker is no ``hidden_holder`` here either. No file's word is taken: the daemon
-    is the holder of the instance lock in ``state_dir`` if it is gpuwatchd run by a trusted
-    user (root, or this user); its workers, its direct children of that user running the
-    worker file."""
+    """The daemon (:func:`lock_holder`, run by root or this user) and its NVML workers (its
+    direct children of that user running the worker file) when one runs now beside this
+    command, so that its worker is no ``hidden_holder`` here either; else None."""
     from gpuwatchd.cli.process_kind import lock_holder
     from gpuwatchd.collect.nvml import WORKER_FILE
 

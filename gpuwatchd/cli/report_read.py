@@ -274,9 +274,11 @@ def _read_gpus(
         gpu = _gpu(raw, where)
         minor = gpu.minor
         gpus.append(gpu)
-        for listed in _instance_entries(raw):  # MIG: who is in each instance
-            if (proc := _process(listed)) is not None:
-                processes.setdefault(proc.pid, proc)
+        for item in as_list(raw.get("mig_instances")):  # MIG: who is in each instance
+            for key in ("processes", "holders"):
+                for listed in as_list(as_map(item).get(key)):
+                    if isinstance(listed, Mapping) and (proc := _process(listed)) is not None:
+                        processes.setdefault(proc.pid, proc)
         for key in ("processes", "holders"):
             for j, entry in enumerate(_list_field(raw, key, f"{where}.{key}")):
                 if not isinstance(entry, dict):
@@ -406,14 +408,3 @@ def _mig_capabilities(
                     | (set(minors) if not by_fd or "map" in via else set()),
                 )
     return table
-
-
-def _instance_entries(raw: Mapping[str, object]) -> list[Mapping[str, object]]:
-    """The process and holder entries of a saved GPU entry's instances (``explain``)."""
-    return [
-        entry
-        for item in as_list(raw.get("mig_instances"))
-        for key in ("processes", "holders")
-        for entry in as_list(as_map(item).get(key))
-        if isinstance(entry, Mapping)
-    ]

@@ -128,7 +128,6 @@ def kill_cap_note(
 def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, object]:
     """For each finding: the matching rule, the next step and when, and what would stop it."""
     snapshot, findings, first_seen = rebuild(report)
-    now = snapshot.wall_time
     report_only = as_map(report.get("report_only"))
     daemon = DaemonView(**pick(report.get("daemon"), _DAEMON))  # a malformed field: unknown
     items: list[dict[str, object]] = []
@@ -164,7 +163,7 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
         items.append(item)
     _note_limits(signalled, daemon, policy, snapshot)
     return {
-        "time": now,
+        "time": snapshot.wall_time,
         "policy": list(policy.sources) or ["built-in defaults"],
         "dry_run": policy.dry_run,
         "findings": items,

@@ -247,7 +247,13 @@ def _current(
     )
     if why is not None:
         return None, None, f"the daemon's holder view is not used: {why}"
-    if _holder_replaced(procfs, view):
+    # A holder's PID that names another process now (its start ticks differ): the view does not
+    # vouch for it. Gone PIDs need no check here: the targeted scan misses them and walks.
+    if any(
+        (fields := procfs.read_stat(pid)) is not None and fields.starttime != ticks
+        for pid, ticks in view.holder_ticks.items()
+        if ticks is not None
+    ):
         return None, None, "a holder in the daemon's view has exited"
     if served.reading is None:
         return view, None, "the daemon's last poll has no NVML reading"
@@ -437,17 +443,6 @@ def snapshot_report(
     )
     mark_spared(report, snapshot, snapshot.spares if spares is None else spares)
     return report
-
-
-def _holder_replaced(procfs: ProcFS, view: HolderView) -> bool:
-    """Whether a PID the view lists as a holder now names another process (its start ticks
-    differ): that holder is gone, and the PID's new process is not one the view vouches
-    for. Gone PIDs need no check here: the targeted scan misses them and walks."""
-    return any(
-        (fields := procfs.read_stat(pid)) is not None and fields.starttime != ticks
-        for pid, ticks in view.holder_ticks.items()
-        if ticks is not None
-    )
 
 
 def _first_seen_wall(saved: SavedState, now_monotonic: float, now_wall: float) -> dict[str, float]:

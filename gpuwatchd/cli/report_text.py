@@ -72,9 +72,16 @@ class _View:
         return [f for f in self.findings if uuid is not None and f.get("gpu") == uuid]
 
     def gpu_lines(self, gpu: Mapping[str, object]) -> list[str]:
-        """One GPU's text: its header, memory and flags, its holders' table, its findings, its
-        verdict and its MIG instances."""
-        lines = self.gpu_header_lines(gpu)
+        """One GPU's text: its header (index, name, UUID, PCI bus id), memory and flags, its
+        holders' table, its findings, its verdict and its MIG instances."""
+        uuid = as_text(gpu.get("uuid"))
+        header = "  ".join(
+            map(shown, (gpu.get("index"), gpu.get("name"), uuid, gpu.get("pci_bus_id")))
+        )
+        lines = [self.paint(f"GPU {header}", _BOLD), _memory_line(gpu, full=True)]
+        flags = _gpu_flags(gpu)
+        if flags:
+            lines.append("  " + self.paint("; ".join(flags), _YELLOW))
         # MIG instances judged one by one: the GPU's rows are theirs
         judged_mig = any(as_map(i).get("judged") is True for i in as_list(gpu.get("mig_instances")))
         table = self.holder_table(_parent_rows(gpu) if judged_mig else gpu)
@@ -115,18 +122,6 @@ class _View:
             else:
                 lines.append("    no process holds this instance")
             lines.extend("  " + line for line in self.finding_lines(self.about(raw.get("uuid"))))
-        return lines
-
-    def gpu_header_lines(self, gpu: Mapping[str, object]) -> list[str]:
-        """A GPU's header line (index, name, UUID, PCI bus id), its memory line and its flags."""
-        uuid = as_text(gpu.get("uuid"))
-        header = "  ".join(
-            map(shown, (gpu.get("index"), gpu.get("name"), uuid, gpu.get("pci_bus_id")))
-        )
-        lines = [self.paint(f"GPU {header}", _BOLD), _memory_line(gpu, full=True)]
-        flags = _gpu_flags(gpu)
-        if flags:
-            lines.append("  " + self.paint("; ".join(flags), _YELLOW))
         return lines
 
     def gpu_finding_lines(self, gpu: Mapping[str, object]) -> list[str]:

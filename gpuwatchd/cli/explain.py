@@ -210,8 +210,7 @@ def _explain_process(case: _Case) -> bool:
         item["no_rule_because"] = _no_rule(finding, proc, policy)
     else:
         item["rule"] = rule.name
-        first, rest = rule.steps[0], rule.steps[1:]
-        action = first.signal or (
+        action = rule.steps[0].signal or (
             "on_failure hooks (stuck: never signalled)"
             if finding.kind == FindingKind.STUCK
             else "report"
@@ -220,17 +219,14 @@ def _explain_process(case: _Case) -> bool:
         # Each step's wait comes before the step after it; the last one's, before the end.
         item["then"] = [
             f"wait {duration(before.wait)}, then {step.signal or 'report'}"
-            for before, step in zip(rule.steps[:-1], rest, strict=True)
+            for before, step in zip(rule.steps[:-1], rule.steps[1:], strict=True)
         ] + [f"wait {duration(rule.steps[-1].wait)}, then the ladder ends"]
     why = refusal(proc, finding, snapshot, policy, frozenset())
     item["spared"], said = spare_stops(proc, snapshot, why)
     stops.extend(said)
-    signals = (
-        not said and rule is not None and rule.steps[0].signal is not None and finding.actionable
-    )
     if policy.dry_run:
         stops.append("dry_run: true — the step is logged, nothing is sent")
-    return signals
+    return not said and rule is not None and rule.steps[0].signal is not None and finding.actionable
 
 
 def _note_limits(

@@ -96,10 +96,9 @@ def _shape_problem(raw: bytes) -> str | None:
 
 
 def load_report(path: str) -> Mapping[str, object]:
-    """The saved ``scan --json`` report at ``path``: a regular file of at most
-    :data:`MAX_REPORT_BYTES` (never a FIFO or a device), JSON whose numbers are finite and have
-    at most :data:`MAX_DIGITS` digits; SnapshotError naming the file (and the field) otherwise.
-    An evidence file gives its ``report``, with what it says of its step as ``evidence``."""
+    """The saved ``scan --json`` report at ``path``, bounded as docs/internals.md says;
+    SnapshotError naming the file (and the field) otherwise. An evidence file gives its
+    ``report``, with what it says of its step as ``evidence``."""
     try:
         raw = read_regular_file(path, MAX_REPORT_BYTES)
     except FileNotFoundError:

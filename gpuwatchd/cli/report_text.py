@@ -30,9 +30,8 @@ _BOLD, _RED, _YELLOW, _DIM = "1", "31", "33", "2"
 
 
 def render_text(report: Mapping[str, object], *, color: bool = False) -> str:
-    """The human view of a ``build_report`` document, ending with a newline. Pure. Per GPU: its
-    header, memory, holders' table and findings; then the node's notes, holders and findings.
-    Colours only when ``color``; unknown values print as ``?``, absent ones as ``-``."""
+    """The human view of a ``build_report`` document (each GPU, then the node), ending with a
+    newline. Colours only when ``color``; unknown values print as ``?``, absent ones as ``-``."""
     findings = [as_map(f) for f in as_list(report.get("findings"))]
     view = _View(as_number(report.get("time")), findings, color)
     lines = [_title_line(report)]

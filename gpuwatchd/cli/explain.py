@@ -346,10 +346,9 @@ def explain_file(path: str, policy: Policy) -> dict[str, object]:
 
 
 def render_explanation(result: Mapping[str, object]) -> str:
-    lines = [
-        f"explain {result.get('snapshot')}: policy {', '.join(result['policy'])}"  # type: ignore[arg-type]
-        + (" (dry-run)" if result.get("dry_run") else ""),
-    ]
+    dry_run = " (dry-run)" if result.get("dry_run") else ""
+    policy = ", ".join(result["policy"])  # type: ignore[arg-type]
+    lines = [f"explain {result.get('snapshot')}: policy {policy}{dry_run}"]
     evidence = result.get("evidence")
     if isinstance(evidence, Mapping):
         dry = " (dry run)" if evidence.get("dry_run") else ""

@@ -102,17 +102,15 @@ class _View:
                 continue
             cis = raw.get("ci")
             ci_text = ", ".join(escape(str(c)) for c in cis) if isinstance(cis, list) else "?"
-            header = (
+            lines.append(
                 f"  MIG GPU instance {escape(str(raw.get('gi')))} (CI {ci_text})  "
                 f"{escape(str(raw.get('profile') or '?'))}  {escape(str(raw.get('uuid') or '?'))}"
             )
-            lines.append(header)
             if raw.get("judged") is not True:
                 lines.append("    not judged (see the GPU's report-only reason)")
                 continue
             lines.append("  " + _memory_line(raw))
-            reason = raw.get("report_only")
-            if isinstance(reason, str) and reason:
+            if reason := as_text(raw.get("report_only")):
                 lines.append(f"    report-only: {escape(reason)}")
             lines.extend(f"    note: {escape(str(note))}" for note in as_list(raw.get("notes")))
             rows = self.holder_table(raw)

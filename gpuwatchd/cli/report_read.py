@@ -339,9 +339,7 @@ def _mig_devices(raw: Mapping[str, object]) -> tuple[model.MigDevice, ...] | Non
     if not isinstance(instances, list):
         return None
     devices: list[model.MigDevice] = []
-    for item in instances[:16]:
-        if not isinstance(item, Mapping):
-            continue
+    for item in map(as_map, instances[:16]):
         gi = as_int(item.get("gi"))
         if gi is None:
             continue

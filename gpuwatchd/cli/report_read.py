@@ -142,17 +142,13 @@ def load_report(path: str) -> Mapping[str, object]:
             cut = data.get("truncated")
             why = f" (cut to fit: {', '.join(map(str, cut))})" if isinstance(cut, list) else ""
             raise SnapshotError(f"{path}: an evidence file without its scan report{why}")
-        return {**report, "evidence": evidence_header(data)}
+        # What it says of its step, each value checked: a malformed one is null.
+        written = data.get("written")
+        plain = isinstance(written, (int, float)) and not isinstance(written, bool)
+        fields = {"action": as_text, "gpu": as_text, "dry_run": as_flag, "reason": as_text}
+        header = {**pick(data, fields), "written": written if plain else None}
+        return {**report, "evidence": header}
     return data
-
-
-def evidence_header(data: Mapping[str, object]) -> dict[str, object]:
-    """What an evidence file says of its step (action, GPU, dry run, reason, when written),
-    each value checked: a malformed one is null."""
-    written = data.get("written")
-    plain = isinstance(written, (int, float)) and not isinstance(written, bool)
-    fields = {"action": as_text, "gpu": as_text, "dry_run": as_flag, "reason": as_text}
-    return {**pick(data, fields), "written": written if plain else None}
 
 
 MAX_DIGITS = 40  # no count, size, PID or time in a report has more digits

@@ -227,13 +227,12 @@ class _View:
 def _title_line(report: Mapping[str, object]) -> str:
     host = as_map(report.get("host"))
     nvml = as_map(report.get("nvml"))
-    findings = as_list(report.get("findings"))
     parts = [
         f"gpuwatchd {shown(report.get('version'))} scan",
         f"host {shown(host.get('hostname'))}",
         f"driver {shown(nvml.get('driver_version'))}",
         counted(len(as_list(report.get("gpus"))), "GPU"),
-        counted(len(findings), "finding"),
+        counted(len(as_list(report.get("findings"))), "finding"),
         f"{shown(report.get('scan_mode'))} holder scan",
     ]
     view = as_map(report.get("daemon_view"))

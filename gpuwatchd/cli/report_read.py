@@ -200,7 +200,6 @@ def _gpu(raw: Mapping[str, object], where: str) -> GpuInfo:
         uuid=_need(raw, "uuid", (str,), where),
         index=_need(raw, "index", (int,), where),
         **pick(raw, _GPU),
-        persistence_mode=None,
         lost=raw.get("lost") is True,
         mig_devices=_mig_devices(raw),
         # NVML's process list as the report gives it (checked by _read_gpus): a health reset

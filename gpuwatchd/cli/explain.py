@@ -128,7 +128,6 @@ def kill_cap_note(
 def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, object]:
     """For each finding: the matching rule, the next step and when, and what would stop it."""
     snapshot, findings, first_seen = rebuild(report)
-    now = snapshot.wall_time
     report_only = as_map(report.get("report_only"))
     daemon = DaemonView(**pick(report.get("daemon"), _DAEMON))  # a malformed field: unknown
     items: list[dict[str, object]] = []
@@ -141,7 +140,7 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
         if not finding.actionable:
             why = report_only.get(finding.gpu or "") or report_only.get("node")
             stops.append(f"report only: {why or 'the assessment marked it not actionable'}")
-        case = _Case(item, stops, finding, findings, proc, snapshot, policy, now, since)
+        case = _Case(item, stops, finding, findings, proc, snapshot, policy, since)
         if finding.kind == FindingKind.GHOST_MEMORY:
             _explain_reset(case)
             latch = kill_cap_note(0, daemon, policy.limits) if daemon.forced_dry_run else None
@@ -164,7 +163,7 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
         items.append(item)
     _note_limits(signalled, daemon, policy, snapshot)
     return {
-        "time": now,
+        "time": snapshot.wall_time,
         "policy": list(policy.sources) or ["built-in defaults"],
         "dry_run": policy.dry_run,
         "findings": items,
@@ -198,7 +197,6 @@ class _Case:
     proc: ProcessInfo | None
     snapshot: Snapshot
     policy: Policy
-    now: float
     since: float | None
 
 
@@ -206,33 +204,29 @@ def _explain_process(case: _Case) -> bool:
     """A process finding's matching rule, its ladder and what would stop it; True when the
     rule's first step would signal it (the kill cap and the post-action delay then apply)."""
     item, stops, finding, proc = case.item, case.stops, case.finding, case.proc
-    snapshot, policy, now, since = case.snapshot, case.policy, case.now, case.since
+    snapshot, policy, since = case.snapshot, case.policy, case.since
     rule = rule_for(finding, proc, policy, lasted=math.inf)
     if rule is None:
         item["no_rule_because"] = _no_rule(finding, proc, policy)
     else:
         item["rule"] = rule.name
-        first, rest = rule.steps[0], rule.steps[1:]
-        action = first.signal or (
+        action = rule.steps[0].signal or (
             "on_failure hooks (stuck: never signalled)"
             if finding.kind == FindingKind.STUCK
             else "report"
         )
-        item["next"] = {"action": action, **_when(now, since, rule.for_)}
+        item["next"] = {"action": action, **_when(snapshot.wall_time, since, rule.for_)}
         # Each step's wait comes before the step after it; the last one's, before the end.
         item["then"] = [
             f"wait {duration(before.wait)}, then {step.signal or 'report'}"
-            for before, step in zip(rule.steps[:-1], rest, strict=True)
+            for before, step in zip(rule.steps[:-1], rule.steps[1:], strict=True)
         ] + [f"wait {duration(rule.steps[-1].wait)}, then the ladder ends"]
     why = refusal(proc, finding, snapshot, policy, frozenset())
     item["spared"], said = spare_stops(proc, snapshot, why)
     stops.extend(said)
-    signals = (
-        not said and rule is not None and rule.steps[0].signal is not None and finding.actionable
-    )
     if policy.dry_run:
         stops.append("dry_run: true — the step is logged, nothing is sent")
-    return signals
+    return not said and rule is not None and rule.steps[0].signal is not None and finding.actionable
 
 
 def _note_limits(
@@ -264,7 +258,7 @@ def _note_limits(
 def _explain_reset(case: _Case) -> None:
     """What the ``reset`` policy does with a ghost_memory finding."""
     item, stops, finding, snapshot = case.item, case.stops, case.finding, case.snapshot
-    policy, now, since = case.policy, case.now, case.since
+    policy, since = case.policy, case.since
     reset = policy.reset
     if not reset.enabled:
         stops.append("reset.enabled is false")
@@ -274,7 +268,7 @@ def _explain_reset(case: _Case) -> None:
     instance = instance_recovery(snapshot, finding) if reset.mig_recovery else None
     if instance is not None:  # a MIG GPU instance: re-created in place, never a GPU reset
         action = instance.describe().replace("re-create", "re-creation of", 1)
-    item["next"] = {"action": action, **_when(now, since, reset.confirm_for)}
+    item["next"] = {"action": action, **_when(snapshot.wall_time, since, reset.confirm_for)}
     item["then"] = [_reset_limits(policy) + (" (the parent GPU's)" if instance is not None else "")]
     _gate_stops(case)
     if policy.dry_run:
@@ -352,10 +346,9 @@ def explain_file(path: str, policy: Policy) -> dict[str, object]:
 
 
 def render_explanation(result: Mapping[str, object]) -> str:
-    lines = [
-        f"explain {result.get('snapshot')}: policy {', '.join(result['policy'])}"  # type: ignore[arg-type]
-        + (" (dry-run)" if result.get("dry_run") else ""),
-    ]
+    dry_run = " (dry-run)" if result.get("dry_run") else ""
+    policy = ", ".join(result["policy"])  # type: ignore[arg-type]
+    lines = [f"explain {result.get('snapshot')}: policy {policy}{dry_run}"]
     evidence = result.get("evidence")
     if isinstance(evidence, Mapping):
         dry = " (dry run)" if evidence.get("dry_run") else ""

@@ -6,23 +6,13 @@ status document (~7 ms of its start)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gpuwatchd.collect.procfs import ProcFS
     from gpuwatchd.core.model import ProcessInfo
     from gpuwatchd.state.directory import StateDir
-
-
-def _looks_like_gpuwatchd(comm: str | None, argv: Sequence[str]) -> bool:
-    if comm is not None and comm.startswith("gpuwatchd"):
-        return True
-    for arg in argv[:4]:  # /usr/bin/gpuwatchd run; python3 /usr/bin/gpuwatchd; python3 -m gpuwatchd
-        name = os.path.basename(arg)
-        if name == "gpuwatchd" or name.startswith("gpuwatchd."):
-            return True
-    return False
 
 
 def look_at_process(proc_root: str, pid: int) -> str:
@@ -53,7 +43,13 @@ def look_at_process(proc_root: str, pid: int) -> str:
     except OSError:
         if comm is None:
             return "unknown" if os.path.isdir(base) else "gone"
-    return "gpuwatchd" if _looks_like_gpuwatchd(comm, argv) else "other"
+    if comm is not None and comm.startswith("gpuwatchd"):
+        return "gpuwatchd"
+    for arg in argv[:4]:  # /usr/bin/gpuwatchd run; python3 /usr/bin/gpuwatchd; python3 -m gpuwatchd
+        name = os.path.basename(arg)
+        if name == "gpuwatchd" or name.startswith("gpuwatchd."):
+            return "gpuwatchd"
+    return "other"
 
 
 def lock_holder(

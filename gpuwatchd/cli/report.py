@@ -17,6 +17,7 @@ from gpuwatchd.core.model import (
     MigDevice,
     NvmlProcess,
     Snapshot,
+    as_int,
     fields_of,
 )
 from gpuwatchd.decide.assess.shared import HolderRole
@@ -24,40 +25,44 @@ from gpuwatchd.decide.floor import driver_refusers
 from gpuwatchd.decide.mig.instances import MigLayout, instance_gpu, instance_view, mig_layout
 from gpuwatchd.decide.verdict import NodeVerdict
 
-# The attributes each entry copies as they are, in the document's order.
-_GPU = (
-    "index",
-    "uuid",
-    "name",
-    "pci_bus_id",
-    "minor",
-    "lost",
-    "error",
-    "mig_enabled",
-    "persistence_mode",
-    "coherent_memory",
-    "numa_node",
-    "architecture",
-    "nvlink_active",
-    "reset_needs_nvlink_peers",
-)
-_FACTS = (
-    "alive",
-    "user",
-    "uid",
-    "state",
-    "start_ticks",
-    "started",
-    "ppid",
-    "pgid",
-    "sid",
-    "comm",
-    "exe",
-    "exe_trusted",
-    "cmdline",
-    "nspid",
-    "cgroup",
-)
+# The attributes each GPU entry copies as they are, in the document's order, each with the reader
+# that takes it back (report_read.py; None: read there by hand, or not at all).
+GPU_FIELDS: Mapping[str, Callable[[object], object] | None] = {
+    "index": None,
+    "uuid": None,
+    "name": as_text,
+    "pci_bus_id": as_text,
+    "minor": as_int,
+    "lost": None,
+    "error": None,
+    "mig_enabled": as_flag,
+    "persistence_mode": None,
+    "coherent_memory": None,
+    "numa_node": None,
+    "architecture": as_int,
+    "nvlink_active": as_int,
+    "reset_needs_nvlink_peers": None,
+}
+# A process's facts in the document's order, each copied as it is with the reader that takes it
+# back (report_read.py); None: built here from more than the one attribute.
+PROCESS_FACTS: Mapping[str, Callable[[object], object] | None] = {
+    "alive": None,
+    "user": as_text,
+    "uid": as_int,
+    "state": as_text,
+    "start_ticks": as_int,
+    "started": None,
+    "ppid": as_int,
+    "pgid": as_int,
+    "sid": as_int,
+    "comm": as_text,
+    "exe": as_text,
+    "exe_trusted": as_flag,
+    "cmdline": None,
+    "nspid": None,
+    "cgroup": None,
+}
+PROCESS_COPIED = {key: read for key, read in PROCESS_FACTS.items() if read is not None}
 _MEMORY = ("total", "used=allocated", "reserved", "free", "api", "used_v1")
 # A process's cgroup in the document (and its "job"), each field with the reader that takes it
 # back (report_read.py).
@@ -74,17 +79,19 @@ CGROUP_FIELDS: Mapping[str, Callable[[object], object]] = {
 _CGROUP = (*CGROUP_FIELDS, "job=job_key")
 # The parts of a GPU entry a MIG instance's entry keeps (the rest is the parent's to say).
 _KEPT = ("memory", "report_only", "notes", "processes_known", "processes", "holders", "verdict")
-_FINDING = (
-    "kind",
-    "gpu",
-    "pid",
-    "start_ticks",
-    "reason",
-    "memory",
-    "actionable",
-    "evidence",
-    "key",
-)
+# A finding's fields in the document's order, each with the types report_read takes it back as
+# (None: read there by hand, or not at all).
+FINDING_FIELDS: Mapping[str, tuple[type, ...] | None] = {
+    "kind": None,
+    "gpu": (str, type(None)),
+    "pid": (int, type(None)),
+    "start_ticks": (int, type(None)),
+    "reason": (str,),
+    "memory": (int, type(None)),
+    "actionable": (bool,),
+    "evidence": None,
+    "key": None,
+}
 
 
 def build_report(
@@ -129,7 +136,7 @@ def build_report(
         "gpus": entries.gpus(layout, verdict),
         "findings": [
             {
-                **fields_of(finding, _FINDING),
+                **fields_of(finding, tuple(FINDING_FIELDS)),
                 "kind": finding.kind.value,
                 "evidence": _jsonable(finding.evidence),
                 "first_seen": seen.get(finding.key),
@@ -161,26 +168,26 @@ class _Entries:
         """Host facts of one process; every value None when not collected. Missing facts of a
         PID NVML ``listed`` mean it is not in /proc (``alive`` False); of a device holder (seen
         there), unknown."""
+        facts = dict.fromkeys(PROCESS_FACTS)  # each key keeps its place in the document
         info = self.snapshot.processes.get(pid)
         if info is None:
-            return {**dict.fromkeys(_FACTS), "alive": False if listed else None}
+            return {**facts, "alive": False if listed else None}
         started = None
         if info.start_ticks is not None and self.boot_time is not None and self.clock_ticks:
             started = self.boot_time + info.start_ticks / self.clock_ticks
         cgroup = info.cgroup
         return {
+            **facts,
+            **fields_of(info, tuple(PROCESS_COPIED)),
             "alive": not info.is_zombie,
-            **fields_of(info, ("user", "uid", "state", "start_ticks")),
             "started": started,
-            **fields_of(info, ("ppid", "pgid", "sid", "comm", "exe", "exe_trusted")),
             "cmdline": None if info.cmdline is None else list(info.cmdline),
             "nspid": None if info.nspid is None else list(info.nspid),
             "cgroup": None if cgroup is None else fields_of(cgroup, _CGROUP),
         }
 
     def gpus(self, layout: MigLayout, verdict: NodeVerdict | None) -> list[dict[str, object]]:
-        """Each GPU's entry in index order, its MIG instances under it (each built as a GPU's
-        entry is, from :func:`instance_view`) and its verdict (when judged)."""
+        """Each GPU's entry in index order, with its MIG instances and its verdict (when judged)."""
         view = instance_view(self.snapshot, layout)
         judged = {} if verdict is None else {g.uuid: g for g in verdict.gpus}
         gpus = []
@@ -203,7 +210,7 @@ class _Entries:
             memory.update(fields_of(gpu.memory, _MEMORY))
         memory["baseline"] = self.baselines.get(gpu.uuid)
         return {
-            **fields_of(gpu, _GPU),
+            **fields_of(gpu, tuple(GPU_FIELDS)),
             "health": _health_entry(gpu.health),
             "memory": memory,
             "report_only": self.report_only.get(gpu.uuid),

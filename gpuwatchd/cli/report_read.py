@@ -10,9 +10,9 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from gpuwatchd.cli.report import CGROUP_FIELDS
+from gpuwatchd.cli.report import CGROUP_FIELDS, FINDING_FIELDS, GPU_FIELDS, PROCESS_COPIED
 from gpuwatchd.cli.spare import spares_from_report
 from gpuwatchd.collect.mig import cap_minor
 from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_file
@@ -54,21 +54,6 @@ def _need(data: Mapping[str, object], key: str, types: tuple[type[T], ...], wher
     return value
 
 
-# The fields of a saved process entry read back, each by its lenient reader.
-_PROCESS = {
-    "start_ticks": as_int,
-    "state": as_text,
-    "ppid": as_int,
-    "pgid": as_int,
-    "sid": as_int,
-    "uid": as_int,
-    "user": as_text,
-    "comm": as_text,
-    "exe": as_text,
-    "exe_trusted": as_flag,
-}
-
-
 def _process(entry: Mapping[str, object]) -> ProcessInfo | None:
     pid = as_int(entry.get("pid"))
     if pid is None or (entry.get("alive") is None and entry.get("state") is None):
@@ -80,7 +65,7 @@ def _process(entry: Mapping[str, object]) -> ProcessInfo | None:
     cmdline = entry.get("cmdline")
     return ProcessInfo(
         pid=pid,
-        **pick(entry, _PROCESS),
+        **pick(entry, PROCESS_COPIED),
         cmdline=tuple(str(a) for a in cmdline) if isinstance(cmdline, list) else None,
         cgroup=cgroup,
     )
@@ -111,10 +96,9 @@ def _shape_problem(raw: bytes) -> str | None:
 
 
 def load_report(path: str) -> Mapping[str, object]:
-    """The saved ``scan --json`` report at ``path``: a regular file of at most
-    :data:`MAX_REPORT_BYTES` (never a FIFO or a device), JSON whose numbers are finite and have
-    at most :data:`MAX_DIGITS` digits; SnapshotError naming the file (and the field) otherwise.
-    An evidence file gives its ``report``, with what it says of its step as ``evidence``."""
+    """The saved ``scan --json`` report at ``path``, bounded as docs/internals.md says;
+    SnapshotError naming the file (and the field) otherwise. An evidence file gives its
+    ``report``, with what it says of its step as ``evidence``."""
     try:
         raw = read_regular_file(path, MAX_REPORT_BYTES)
     except FileNotFoundError:
@@ -158,17 +142,13 @@ def load_report(path: str) -> Mapping[str, object]:
             cut = data.get("truncated")
             why = f" (cut to fit: {', '.join(map(str, cut))})" if isinstance(cut, list) else ""
             raise SnapshotError(f"{path}: an evidence file without its scan report{why}")
-        return {**report, "evidence": evidence_header(data)}
+        # What it says of its step, each value checked: a malformed one is null.
+        written = data.get("written")
+        plain = isinstance(written, (int, float)) and not isinstance(written, bool)
+        fields = {"action": as_text, "gpu": as_text, "dry_run": as_flag, "reason": as_text}
+        header = {**pick(data, fields), "written": written if plain else None}
+        return {**report, "evidence": header}
     return data
-
-
-def evidence_header(data: Mapping[str, object]) -> dict[str, object]:
-    """What an evidence file says of its step (action, GPU, dry run, reason, when written),
-    each value checked: a malformed one is null."""
-    written = data.get("written")
-    plain = isinstance(written, (int, float)) and not isinstance(written, bool)
-    fields = {"action": as_text, "gpu": as_text, "dry_run": as_flag, "reason": as_text}
-    return {**pick(data, fields), "written": written if plain else None}
 
 
 MAX_DIGITS = 40  # no count, size, PID or time in a report has more digits
@@ -211,14 +191,8 @@ def _first_huge_number(value: object, where: str) -> str | None:
     return None
 
 
-_GPU = {
-    "name": as_text,
-    "pci_bus_id": as_text,
-    "minor": as_int,
-    "mig_enabled": as_flag,
-    "architecture": as_int,
-    "nvlink_active": as_int,
-}
+_GPU = {key: read for key, read in GPU_FIELDS.items() if read is not None}
+_FINDING = {key: types for key, types in FINDING_FIELDS.items() if types is not None}
 
 
 def _gpu(raw: Mapping[str, object], where: str) -> GpuInfo:
@@ -226,7 +200,6 @@ def _gpu(raw: Mapping[str, object], where: str) -> GpuInfo:
         uuid=_need(raw, "uuid", (str,), where),
         index=_need(raw, "index", (int,), where),
         **pick(raw, _GPU),
-        persistence_mode=None,
         lost=raw.get("lost") is True,
         mig_devices=_mig_devices(raw),
         # NVML's process list as the report gives it (checked by _read_gpus): a health reset
@@ -295,9 +268,11 @@ def _read_gpus(
         gpu = _gpu(raw, where)
         minor = gpu.minor
         gpus.append(gpu)
-        for listed in _instance_entries(raw):  # MIG: who is in each instance
-            if (proc := _process(listed)) is not None:
-                processes.setdefault(proc.pid, proc)
+        for item in as_list(raw.get("mig_instances")):  # MIG: who is in each instance
+            for key in ("processes", "holders"):
+                for listed in as_list(as_map(item).get(key)):
+                    if isinstance(listed, Mapping) and (proc := _process(listed)) is not None:
+                        processes.setdefault(proc.pid, proc)
         for key in ("processes", "holders"):
             for j, entry in enumerate(_list_field(raw, key, f"{where}.{key}")):
                 if not isinstance(entry, dict):
@@ -339,16 +314,8 @@ def _read_findings(findings_raw: list[object]) -> tuple[list[Finding], dict[str,
         if kind not in kinds:
             raise SnapshotError(f"{where}.kind: unknown finding kind {kind!r}")
         evidence = _need(raw, "evidence", (dict,), where)
-        finding = Finding(
-            kind=FindingKind(kind),
-            gpu=_need(raw, "gpu", (str, type(None)), where),
-            pid=_need(raw, "pid", (int, type(None)), where),
-            start_ticks=_need(raw, "start_ticks", (int, type(None)), where),
-            reason=_need(raw, "reason", (str,), where),
-            memory=_need(raw, "memory", (int, type(None)), where),
-            actionable=_need(raw, "actionable", (bool,), where),
-            evidence=evidence,
-        )
+        checked: dict[str, Any] = {k: _need(raw, k, types, where) for k, types in _FINDING.items()}
+        finding = Finding(kind=FindingKind(kind), evidence=evidence, **checked)
         seen = raw.get("first_seen")
         if isinstance(seen, (int, float)) and not isinstance(seen, bool):
             first_seen[finding.key] = float(seen)
@@ -367,9 +334,7 @@ def _mig_devices(raw: Mapping[str, object]) -> tuple[model.MigDevice, ...] | Non
     if not isinstance(instances, list):
         return None
     devices: list[model.MigDevice] = []
-    for item in instances[:16]:
-        if not isinstance(item, Mapping):
-            continue
+    for item in map(as_map, instances[:16]):
         gi = as_int(item.get("gi"))
         if gi is None:
             continue
@@ -435,14 +400,3 @@ def _mig_capabilities(
                     | (set(minors) if not by_fd or "map" in via else set()),
                 )
     return table
-
-
-def _instance_entries(raw: Mapping[str, object]) -> list[Mapping[str, object]]:
-    """The process and holder entries of a saved GPU entry's instances (``explain``)."""
-    return [
-        entry
-        for item in as_list(raw.get("mig_instances"))
-        for key in ("processes", "holders")
-        for entry in as_list(as_map(item).get(key))
-        if isinstance(entry, Mapping)
-    ]

@@ -30,9 +30,8 @@ _BOLD, _RED, _YELLOW, _DIM = "1", "31", "33", "2"
 
 
 def render_text(report: Mapping[str, object], *, color: bool = False) -> str:
-    """The human view of a ``build_report`` document, ending with a newline. Pure. Per GPU: its
-    header, memory, holders' table and findings; then the node's notes, holders and findings.
-    Colours only when ``color``; unknown values print as ``?``, absent ones as ``-``."""
+    """The human view of a ``build_report`` document (each GPU, then the node), ending with a
+    newline. Colours only when ``color``; unknown values print as ``?``, absent ones as ``-``."""
     findings = [as_map(f) for f in as_list(report.get("findings"))]
     view = _View(as_number(report.get("time")), findings, color)
     lines = [_title_line(report)]
@@ -72,9 +71,16 @@ class _View:
         return [f for f in self.findings if uuid is not None and f.get("gpu") == uuid]
 
     def gpu_lines(self, gpu: Mapping[str, object]) -> list[str]:
-        """One GPU's text: its header, memory and flags, its holders' table, its findings, its
-        verdict and its MIG instances."""
-        lines = self.gpu_header_lines(gpu)
+        """One GPU's text: its header (index, name, UUID, PCI bus id), memory and flags, its
+        holders' table, its findings, its verdict and its MIG instances."""
+        uuid = as_text(gpu.get("uuid"))
+        header = "  ".join(
+            map(shown, (gpu.get("index"), gpu.get("name"), uuid, gpu.get("pci_bus_id")))
+        )
+        lines = [self.paint(f"GPU {header}", _BOLD), _memory_line(gpu, full=True)]
+        flags = _gpu_flags(gpu)
+        if flags:
+            lines.append("  " + self.paint("; ".join(flags), _YELLOW))
         # MIG instances judged one by one: the GPU's rows are theirs
         judged_mig = any(as_map(i).get("judged") is True for i in as_list(gpu.get("mig_instances")))
         table = self.holder_table(_parent_rows(gpu) if judged_mig else gpu)
@@ -96,17 +102,15 @@ class _View:
                 continue
             cis = raw.get("ci")
             ci_text = ", ".join(escape(str(c)) for c in cis) if isinstance(cis, list) else "?"
-            header = (
+            lines.append(
                 f"  MIG GPU instance {escape(str(raw.get('gi')))} (CI {ci_text})  "
                 f"{escape(str(raw.get('profile') or '?'))}  {escape(str(raw.get('uuid') or '?'))}"
             )
-            lines.append(header)
             if raw.get("judged") is not True:
                 lines.append("    not judged (see the GPU's report-only reason)")
                 continue
             lines.append("  " + _memory_line(raw))
-            reason = raw.get("report_only")
-            if isinstance(reason, str) and reason:
+            if reason := as_text(raw.get("report_only")):
                 lines.append(f"    report-only: {escape(reason)}")
             lines.extend(f"    note: {escape(str(note))}" for note in as_list(raw.get("notes")))
             rows = self.holder_table(raw)
@@ -115,18 +119,6 @@ class _View:
             else:
                 lines.append("    no process holds this instance")
             lines.extend("  " + line for line in self.finding_lines(self.about(raw.get("uuid"))))
-        return lines
-
-    def gpu_header_lines(self, gpu: Mapping[str, object]) -> list[str]:
-        """A GPU's header line (index, name, UUID, PCI bus id), its memory line and its flags."""
-        uuid = as_text(gpu.get("uuid"))
-        header = "  ".join(
-            map(shown, (gpu.get("index"), gpu.get("name"), uuid, gpu.get("pci_bus_id")))
-        )
-        lines = [self.paint(f"GPU {header}", _BOLD), _memory_line(gpu, full=True)]
-        flags = _gpu_flags(gpu)
-        if flags:
-            lines.append("  " + self.paint("; ".join(flags), _YELLOW))
         return lines
 
     def gpu_finding_lines(self, gpu: Mapping[str, object]) -> list[str]:
@@ -235,13 +227,12 @@ class _View:
 def _title_line(report: Mapping[str, object]) -> str:
     host = as_map(report.get("host"))
     nvml = as_map(report.get("nvml"))
-    findings = as_list(report.get("findings"))
     parts = [
         f"gpuwatchd {shown(report.get('version'))} scan",
         f"host {shown(host.get('hostname'))}",
         f"driver {shown(nvml.get('driver_version'))}",
         counted(len(as_list(report.get("gpus"))), "GPU"),
-        counted(len(findings), "finding"),
+        counted(len(as_list(report.get("findings"))), "finding"),
         f"{shown(report.get('scan_mode'))} holder scan",
     ]
     view = as_map(report.get("daemon_view"))
@@ -469,9 +460,7 @@ def _node_notes(report: Mapping[str, object], gpu_uuids: set[str]) -> list[str]:
 
 
 def _table(rows: Sequence[Sequence[str]]) -> list[str]:
-    """Rows as left-aligned columns two spaces apart; the last column is not padded."""
-    if not rows:
-        return []
+    """Rows (at least one) as left-aligned columns two spaces apart; the last is not padded."""
     widths = [0] * max(len(row) for row in rows)
     for row in rows:
         for column, cell in enumerate(row[:-1]):

@@ -123,11 +123,9 @@ class RunningDaemon:
 def running_daemon(
     policy: Policy, state_dir: StateDir | None, procfs: ProcFS
 ) -> RunningDaemon | None:
-    """The daemon and its NVML workers when one runs now beside this command (else None),
-    so that its worker is no ``hidden_holder`` here either. No file's word is taken: the daemon
-    is the holder of the instance lock in ``state_dir`` if it is gpuwatchd run by a trusted
-    user (root, or this user); its workers, its direct children of that user running the
-    worker file."""
+    """The daemon (:func:`lock_holder`, run by root or this user) and its NVML workers (its
+    direct children of that user running the worker file) when one runs now beside this
+    command, so that its worker is no ``hidden_holder`` here either; else None."""
     from gpuwatchd.cli.process_kind import lock_holder
     from gpuwatchd.collect.nvml import WORKER_FILE
 
@@ -249,7 +247,13 @@ def _current(
     )
     if why is not None:
         return None, None, f"the daemon's holder view is not used: {why}"
-    if _holder_replaced(procfs, view):
+    # A holder's PID that names another process now (its start ticks differ): the view does not
+    # vouch for it. Gone PIDs need no check here: the targeted scan misses them and walks.
+    if any(
+        (fields := procfs.read_stat(pid)) is not None and fields.starttime != ticks
+        for pid, ticks in view.holder_ticks.items()
+        if ticks is not None
+    ):
         return None, None, "a holder in the daemon's view has exited"
     if served.reading is None:
         return view, None, "the daemon's last poll has no NVML reading"
@@ -439,17 +443,6 @@ def snapshot_report(
     )
     mark_spared(report, snapshot, snapshot.spares if spares is None else spares)
     return report
-
-
-def _holder_replaced(procfs: ProcFS, view: HolderView) -> bool:
-    """Whether a PID the view lists as a holder now names another process (its start ticks
-    differ): that holder is gone, and the PID's new process is not one the view vouches
-    for. Gone PIDs need no check here: the targeted scan misses them and walks."""
-    return any(
-        (fields := procfs.read_stat(pid)) is not None and fields.starttime != ticks
-        for pid, ticks in view.holder_ticks.items()
-        if ticks is not None
-    )
 
 
 def _first_seen_wall(saved: SavedState, now_monotonic: float, now_wall: float) -> dict[str, float]:

@@ -38,7 +38,7 @@ log = structlog.get_logger("gpuwatchd")
 
 @dataclass(eq=False)
 class HostReader:
-    """The engine's :class:`gpuwatchd.engine.cycle.HostReader` on the real host."""
+    """The engine's :class:`gpuwatchd.engine.edges.HostReader` on the real host."""
 
     collector: Collector
     procfs: ProcFS
@@ -63,7 +63,7 @@ class HostReader:
 
 
 class HostActuator:
-    """The engine's :class:`gpuwatchd.engine.cycle.Actuator` on the real host."""
+    """The engine's :class:`gpuwatchd.engine.edges.Actuator` on the real host."""
 
     def __init__(self, signaller: Signaller) -> None:
         self.signaller = signaller

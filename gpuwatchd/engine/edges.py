@@ -93,7 +93,7 @@ def run_now(work: Callable[[], None]) -> bool:
 @dataclass(frozen=True)
 class PollInputs:
     """What one poll is handed: the admin switches as read (None: as it is), and when the poll
-    started by the caller's clock, before it read them (None: the engine's clock now)."""
+    started by the caller's clock, just after it read them (None: the engine's clock now)."""
 
     pause: Pause | None = None
     spares: tuple[Spare, ...] | None = None  # ``gpuwatchd spare``: those in force

@@ -52,9 +52,15 @@ settings.load_profile(PROFILE)
 SMI_GUARD = install()
 
 # The shared fixtures, found by name in every test module without an import: ``spawn`` (real
-# child processes), ``fake_nvml`` (the fake NVML library's state) and ``cgroup_base`` (a scratch
-# cgroup v2 subtree).
-pytest_plugins = ["tests.support.children", "tests.support.fakenvml", "tests.support.daemonrun"]
+# child processes), ``fake_nvml`` (the fake NVML library's state), ``cgroup_base`` (a scratch
+# cgroup v2 subtree) and ``proc_alone`` (a test whose processes other workers' walks of /proc
+# must not see).
+pytest_plugins = [
+    "tests.support.children",
+    "tests.support.fakenvml",
+    "tests.support.proclock",  # before daemonrun, which imports it (through simhost)
+    "tests.support.daemonrun",
+]
 
 
 # `make test` spreads the tests over the cores with pytest-xdist (`-n N --dist loadgroup`):

@@ -54,13 +54,8 @@ def test_scan_without_any_nvidia_library_exits_69_with_one_line(
     empty.mkdir()
     env = host.env()
     env["LD_LIBRARY_PATH"] = str(empty)
-    result = subprocess.run(
-        [sys.executable, "-m", "gpuwatchd", "scan", "--config", str(host.config())],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+    result = host.run(
+        [sys.executable, "-m", "gpuwatchd", "scan", "--config", str(host.config())], env=env
     )
     assert result.returncode == 69
     lines = result.stderr.splitlines()
@@ -68,13 +63,9 @@ def test_scan_without_any_nvidia_library_exits_69_with_one_line(
     assert lines[0].startswith("gpuwatchd:")
     assert "NVML" in lines[0] or "driver" in lines[0]
     assert result.stdout == ""
-    with_json = subprocess.run(
+    with_json = host.run(
         [sys.executable, "-m", "gpuwatchd", "scan", "--json", "--config", str(host.config())],
         env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
     )
     assert with_json.returncode == 69
     report = json.loads(with_json.stdout)
@@ -172,9 +163,7 @@ def _without_capabilities(
     argv = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", sys.executable, "-m", "gpuwatchd"]
     if alone:
         argv = [*(pid_namespace_command() or []), *argv]
-    return subprocess.run(
-        [*argv, *args], env=host.env(), capture_output=True, text=True, timeout=60, check=False
-    )
+    return host.run([*argv, *args])
 
 
 @pytest.mark.skipif(
@@ -298,14 +287,7 @@ def test_a_closed_pipe_is_not_a_traceback(host: SimHost) -> None:
     script = (
         f"{sys.executable} -m gpuwatchd scan --json --config {host.config()} | head -c 1 >/dev/null"
     )
-    result = subprocess.run(
-        ["bash", "-o", "pipefail", "-c", script],
-        env=host.env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = host.run(["bash", "-o", "pipefail", "-c", script])
     assert "Traceback" not in result.stderr
 
 

@@ -242,14 +242,8 @@ def test_scan_from_a_hostile_folder_does_not_run_its_code(
         pytest.skip(f"no installed console script at {script}")
     with SimHost(tmp_path / "host") as host:
         host.nvml([gpu(0)])
-        result = subprocess.run(
-            [str(script), "scan", "--json", "--config", str(host.config())],
-            cwd=folder,
-            env=host.env(),
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
+        result = host.run(
+            [str(script), "scan", "--json", "--config", str(host.config())], cwd=folder
         )
 
     assert not marker.exists(), f"ran {marker.read_text()}"

@@ -377,6 +377,7 @@ class _CountingKcmp(Kcmp):
         self._syscall = counted
 
 
+@pytest.mark.usefixtures("proc_alone")  # 430 threads: every walk of /proc beside it reads them
 def test_private_tables_cost_kcmp_linear_in_threads_and_each_table_is_read_once(
     spawn: Spawn, devices: Path
 ) -> None:

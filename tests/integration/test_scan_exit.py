@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -37,15 +36,7 @@ def _frozen_at_exit(host: SimHost, *argv: str) -> tuple[int, int, str]:
     """(exit code, objects frozen when the process exited, stdout) of one command."""
     read, write = os.pipe()
     try:
-        proc = subprocess.run(
-            [sys.executable, "-c", _PROBE, str(write), *argv],
-            env=host.env(),
-            capture_output=True,
-            pass_fds=(write,),
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        proc = host.run([sys.executable, "-c", _PROBE, str(write), *argv], pass_fds=(write,))
         os.close(write)
         write = -1
         with os.fdopen(read) as handle:

@@ -74,12 +74,11 @@ class Run:
     def start(self, *extra: str, env: Mapping[str, str] | None = None) -> None:
         """Start the daemon; ``env`` adds to the host's environment (libfaketime, say)."""
         handle = open(self.log, "a", encoding="utf-8")  # noqa: SIM115 - owned by the child
-        self.proc = subprocess.Popen(
+        self.proc = self.host.popen(
             [sys.executable, "-m", "gpuwatchd", "run", "--config", str(self.config), *extra],
             env={**self.host.env(), **(env or {})},
             stdout=handle,
             stderr=subprocess.STDOUT,
-            text=True,
         )
         handle.close()
 

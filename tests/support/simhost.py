@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.support import fakenvml
+from tests.support import fakenvml, proclock
 from tests.support.fakenvml import FakeNvml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -256,26 +256,57 @@ class SimHost:
         env.pop("JOURNAL_STREAM", None)
         return env
 
+    # Every command and daemon here walks the machine's whole /proc unless it runs in a PID
+    # namespace of its own: it holds tests/support/proclock.py's lock shared, so that no test
+    # making processes such a walk must report (``proc_alone``) runs on another worker meanwhile.
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        timeout: float = 60.0,
+        check: bool = False,
+        **kwargs: Any,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``argv`` to its end in this host's environment (or ``env``), output captured."""
+        with proclock.shared():
+            return subprocess.run(
+                list(argv),
+                env=self.env() if env is None else dict(env),
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=check,
+                **kwargs,
+            )
+
+    def popen(
+        self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, **kwargs: Any
+    ) -> subprocess.Popen[str]:
+        """Start ``argv`` in this host's environment (or ``env``); it inherits the shared lock's
+        fd and so holds the lock until it exits."""
+        with proclock.shared() as fd:
+            passed = (*kwargs.pop("pass_fds", ()), *(() if fd is None else (fd,)))
+            return subprocess.Popen(
+                list(argv),
+                env=self.env() if env is None else dict(env),
+                text=True,
+                pass_fds=passed,
+                **kwargs,
+            )
+
     def gpuwatchd(
         self, *args: str, timeout: float = 60.0, check: bool = False
     ) -> subprocess.CompletedProcess[str]:
         """Run the real command line (``python -m gpuwatchd``) against this host."""
-        return subprocess.run(
-            [sys.executable, "-m", "gpuwatchd", *args],
-            env=self.env(),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=check,
-        )
+        return self.run([sys.executable, "-m", "gpuwatchd", *args], timeout=timeout, check=check)
 
     def start_daemon(self, *args: str) -> subprocess.Popen[str]:
-        return subprocess.Popen(
+        return self.popen(
             [sys.executable, "-m", "gpuwatchd", *args],
-            env=self.env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            text=True,
         )
 
     def scan_json(self, config: Path | None = None) -> dict[str, Any]:
@@ -331,6 +362,7 @@ def run_in_pid_namespace(
         raise RuntimeError("no PID namespace available (needs root or user namespaces)")
     out = root / "result.json"
     env = dict(os.environ)
+    env.pop(proclock.ENV, None)  # inside, /proc holds only the test's own processes: no lock
     env["PYTHONPATH"] = f"{REPO_ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
     proc = subprocess.run(
         [

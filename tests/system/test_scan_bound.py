@@ -33,7 +33,9 @@ from tests.support.simhost import (
     run_in_pid_namespace,
 )
 
-pytestmark = [needs_pid_namespace(), pytest.mark.slow]
+# The flood is visible to every walk of the machine's /proc (past the budget: an unreadable
+# process, so every GPU unknown): no SimHost command on another worker runs meanwhile.
+pytestmark = [needs_pid_namespace(), pytest.mark.slow, pytest.mark.usefixtures("proc_alone")]
 
 WATCHDOG_USEC = 30_000_000  # the unit's WatchdogSec=30s
 

@@ -1,6 +1,7 @@
 """The lock between xdist workers over the real /proc (tests/support/proclock.py): a SimHost
 command waits while another worker's ``proc_alone`` test runs, a daemon holds the lock until it
-exits, and a ``proc_alone`` test waiting for a command holds new ones back."""
+exits, and a ``proc_alone`` test waiting for a command holds new ones back, but not those of the
+test whose daemon it waits for."""
 
 from __future__ import annotations
 
@@ -25,6 +26,13 @@ from tests.support import proclock
 with proclock.alone():
     print("alone", flush=True)
     sys.stdin.readline()
+"""
+
+# A third worker's SimHost command: says "shared" once it holds the lock.
+THIRD_WORKER = """
+from tests.support import proclock
+with proclock.shared():
+    print("shared", flush=True)
 """
 
 
@@ -129,14 +137,24 @@ def test_a_daemon_holds_the_lock_until_it_exits_and_a_waiting_proc_alone_test_go
         assert _held(lock), "the daemon's lock outlives popen's return"
         other = other_worker()
         _wait_held(Path(f"{lock}.gate"), other)  # it waits for the daemon, holding the gate
-        thread, done = _command(host)
+        # A third worker's command queues behind it.
+        third = subprocess.Popen(
+            [sys.executable, "-c", THIRD_WORKER],
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         time.sleep(0.3)
-        assert done == [], "a new command went before the waiting proc_alone test"
+        assert third.poll() is None, "a new command went before the waiting proc_alone test"
+        # The daemon's own test is not held back: it would wait on its own daemon, and the
+        # proc_alone test on that daemon, until both timed out.
+        thread, done = _command(host)
+        thread.join(timeout=30)
+        assert done == [0], "a command of the test whose daemon holds the lock was held back"
         assert other.poll() is None
     finally:
         daemon.kill()
         daemon.wait()
     _let_go(other)
-    thread.join(timeout=30)
-    assert done == [0]
+    assert third.communicate(timeout=30)[0] == "shared\n"
     assert not _held(lock)

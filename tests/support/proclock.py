@@ -17,7 +17,8 @@ processes: that helper leaves the lock's path out of the environment it passes i
 :func:`shared` does nothing there. Without xdist, one process runs one test at a time and
 nothing is locked. The lock file lives in the run's base temporary folder, shared by its
 workers. Writers come first: a waiting ``proc_alone`` test holds a gate that new shared
-holders wait at, so a stream of short commands on the other worker cannot starve it.
+holders wait at, so a stream of short commands on the other worker cannot starve it; a process
+whose daemon holds the lock already passes the gate (it would otherwise wait on itself).
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import subprocess
 import time
 from collections.abc import Iterator
+from typing import ClassVar
 
 import pytest
 
@@ -36,6 +39,22 @@ WAIT = 600.0  # seconds before a test gives up waiting for the lock (something n
 
 class _Here:
     alone = False  # this process holds the lock exclusively: its own commands need not wait
+    # Children started holding the lock shared (daemons): while one lives, this process holds
+    # the lock already, and a new holder here skips the gate. Were it to queue behind a waiting
+    # proc_alone test, that test would wait for the daemon and the daemon's test for the
+    # command: neither would move until the wait timed out.
+    children: ClassVar[list[subprocess.Popen[str]]] = []
+
+
+def note_child(child: subprocess.Popen[str]) -> None:
+    """``child`` was given the lock's fd by :func:`shared` and holds the lock until it exits."""
+    _Here.children.append(child)
+
+
+def _holding() -> bool:
+    """Whether a child of this process still holds the lock shared."""
+    _Here.children = [child for child in _Here.children if child.poll() is None]
+    return bool(_Here.children)
 
 
 def _lock(path: str, mode: int, what: str) -> int:
@@ -65,11 +84,12 @@ def shared() -> Iterator[int | None]:
     if not path or _Here.alone:
         yield None
         return
-    gate = _lock(f"{path}.gate", fcntl.LOCK_SH, "shared /proc")
+    gate = None if _holding() else _lock(f"{path}.gate", fcntl.LOCK_SH, "shared /proc")
     try:
         fd = _lock(path, fcntl.LOCK_SH, "shared /proc")
     finally:
-        os.close(gate)
+        if gate is not None:
+            os.close(gate)
     try:
         yield fd
     finally:

@@ -288,13 +288,16 @@ class SimHost:
         fd and so holds the lock until it exits."""
         with proclock.shared() as fd:
             passed = (*kwargs.pop("pass_fds", ()), *(() if fd is None else (fd,)))
-            return subprocess.Popen(
+            child = subprocess.Popen(
                 list(argv),
                 env=self.env() if env is None else dict(env),
                 text=True,
                 pass_fds=passed,
                 **kwargs,
             )
+        if fd is not None:
+            proclock.note_child(child)
+        return child
 
     def gpuwatchd(
         self, *args: str, timeout: float = 60.0, check: bool = False

@@ -52,11 +52,6 @@ _FINISHED_LEVELS: Mapping[ResetResult, Level] = {
 }
 
 
-def _instance_fields(target: ResetTarget) -> dict[str, object]:
-    """What every event of a MIG GPU instance's re-creation says about the instance."""
-    return {} if target.recovery is None else target.recovery.fields()
-
-
 def _finished(
     env: ResetEnvironment, target: ResetTarget, outcome: ResetOutcome, dry_run: bool, level: Level
 ) -> ResetOutcome:
@@ -67,7 +62,7 @@ def _finished(
         gpu=target.uuid,
         **outcome.fields(),
         dry_run=dry_run,
-        **_instance_fields(target),
+        **({} if target.recovery is None else target.recovery.fields()),
     )
     return outcome
 
@@ -133,7 +128,7 @@ class Procedure:
             step=step.value,
             status=status,
             dry_run=self.dry_run,
-            **_instance_fields(self.target),
+            **({} if self.target.recovery is None else self.target.recovery.fields()),
             **fields,
         )
 
@@ -251,24 +246,17 @@ class Procedure:
     def abort(self, step: ResetStep, reason: str, blockers: Sequence[str] = ()) -> ResetOutcome:
         """Stop before the reset command, undo, and report ``refused`` (or a dry run's verdict)."""
         self.restore(ResetResult.REFUSED, reason)
-        if self.dry_run:
-            return self.finish(
-                ResetResult.DRY_RUN, step, f"would be refused: {reason}", blockers=blockers
-            )
-        return self.finish(ResetResult.REFUSED, step, reason, blockers=blockers)
+        result = ResetResult.DRY_RUN if self.dry_run else ResetResult.REFUSED
+        reason = f"would be refused: {reason}" if self.dry_run else reason
+        return self.finish(result, step, reason, blockers=blockers)
 
     def health_check(self) -> tuple[bool, bool | None, str]:
-        """(health command passed, memory back to baseline, detail)."""
+        """(health command passed, memory back to baseline, detail); a dry run's tells nothing."""
         self.begin(ResetStep.HEALTH_CHECK)
         done = self.command(ResetStep.HEALTH_CHECK, self.commands.health)
-        if done is None:
-            if self.target.layout:
-                self.persistence_back_on()
-                restore_layout(self)
-            return True, None, "dry-run"
-        if not done.ok:
+        if done is not None and not done.ok:
             return False, None, f"health check failed: {done.describe()}{quote_output(done.output)}"
-        if self.target.recovery is not None:
+        if done is not None and self.target.recovery is not None:
             return self.instance_check()
         if self.target.layout:  # a MIG GPU: its instances created again, then checked
             # Persistence mode first: a GPU the driver deinitialises loses its instances.
@@ -276,6 +264,8 @@ class Procedure:
             self.begin(ResetStep.HEALTH_CHECK)  # a crash from here on resumes the restore
             back, detail = restore_layout(self)
             return True, back, f"health check passed; {detail}"
+        if done is None:
+            return True, None, "dry-run"
         try:
             memory = self.env.memory_back_to_baseline(self.target)
         except Exception as err:  # unknown, logged; never counted as good
@@ -451,8 +441,9 @@ def _reset_and_check(proc: Procedure) -> ResetOutcome:
     if not proc.begin(ResetStep.RESET):
         proc.reset_started = False
         return proc.abort(ResetStep.RESET, UNRECORDED)
-    command, result, needs_reboot, reason = _run_resets(proc)
     if proc.dry_run:
+        for argv in prepared.reset:
+            proc.command(ResetStep.RESET, argv)
         proc.health_check()
         if target.fabric:
             proc.event(ResetStep.HEALTH_CHECK, ResetStepStatus.WOULD_WAIT_FABRIC,
@@ -462,6 +453,12 @@ def _reset_and_check(proc: Procedure) -> ResetOutcome:
         shown = " then ".join(repr(list(argv)) for argv in prepared.reset)
         what = f"reset {target.uuid}" if target.recovery is None else target.recovery.describe()
         return proc.finish(ResetResult.DRY_RUN, ResetStep.DONE, f"would {what} with {shown}")
+    if target.recovery is not None:
+        command, result, needs_reboot, reason = run_recovery(proc)
+    else:
+        command = proc.command(ResetStep.RESET, prepared.reset[0])
+        assert command is not None  # noqa: S101 - not a dry run
+        result, needs_reboot, reason = interpret_reset_exit(command)
     proc.result = result
     if result != ResetResult.SUCCESS:
         return proc.finish(
@@ -479,17 +476,6 @@ def _reset_and_check(proc: Procedure) -> ResetOutcome:
             ResetResult.FAILED, step, reason, needs_reboot=rebooting, command=command, undo=True
         )
     return proc.finish(ResetResult.SUCCESS, ResetStep.DONE, reason, command=command, undo=True)
-
-
-def _run_resets(proc: Procedure) -> Ran:
-    """Run the reset command, or a MIG recovery's (:func:`run_recovery`): result and reading."""
-    if proc.target.recovery is not None:
-        return run_recovery(proc)
-    (argv,) = proc.commands.reset
-    result = proc.command(ResetStep.RESET, argv)
-    if result is None:
-        return None, ResetResult.DRY_RUN, False, "dry-run"
-    return result, *interpret_reset_exit(result)
 
 
 def wait_for_fabric(proc: Procedure) -> tuple[bool, str]:
@@ -615,17 +601,13 @@ def _check_instance(
 
 
 def run_recovery(proc: Procedure, start: int = 0, *, resumed: bool = False) -> Ran:
-    """``proc``'s recovery commands from ``start`` until one fails (docs/internals.md): the last
-    result (None when none ran, or a dry run) and its reading. ``resumed``: a destroy may have
-    taken effect before the crash, so its failure proves nothing; the re-read decides."""
+    """``proc``'s recovery commands from ``start`` until one fails (docs/internals.md), never in
+    a dry run: the last result (None when none ran) and its reading. ``resumed``: a destroy may
+    have taken effect before the crash, so its failure proves nothing; the re-read decides."""
     recovery = proc.target.recovery
     assert recovery is not None  # noqa: S101 - called for a recovery only
     commands = proc.commands.reset
     last = len(commands) - 1
-    if proc.dry_run:
-        for argv in commands:
-            proc.command(ResetStep.RESET, argv)
-        return None, ResetResult.DRY_RUN, False, "dry-run"
     result: CommandResult | None = None
     for number in range(start, len(commands)):
         ran = commands[:number]

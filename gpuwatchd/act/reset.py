@@ -464,18 +464,29 @@ def _reset_and_check(proc: Procedure) -> ResetOutcome:
         return proc.finish(
             result, ResetStep.RESET, reason, needs_reboot=needs_reboot, command=command, undo=True
         )
-    healthy, memory, detail = proc.health_check()
+    return check_after_reset(proc, reason, command)
+
+
+def check_after_reset(
+    proc: Procedure, reason: str, command: CommandResult | None = None, *, resumed: bool = False
+) -> ResetOutcome:
+    """After the reset command succeeded, or a resume after it started: the GPU's health
+    checked, then undone as after any reset. ``success`` only when it is healthy, its memory
+    back (unknown will do, but not for a resume) and its NVLink fabric ready; else ``failed``
+    at ``health_check`` (a resume's at ``done``)."""
+    healthy, memory = True, None
+    if not proc.commands.health:  # an old record's, when today's policy cannot build it
+        detail = "the health check command cannot be built; GPU state unknown"
+    else:
+        healthy, memory, detail = proc.health_check()
     reason = f"{reason}; {detail}"
-    failed = not healthy or memory is False
-    if not failed and target.fabric:
-        completed, fabric_detail = wait_for_fabric(proc)
-        reason, failed = f"{reason}; {fabric_detail}", not completed
-    if failed:
-        step, rebooting = ResetStep.HEALTH_CHECK, not healthy
-        return proc.finish(
-            ResetResult.FAILED, step, reason, needs_reboot=rebooting, command=command, undo=True
-        )
-    return proc.finish(ResetResult.SUCCESS, ResetStep.DONE, reason, command=command, undo=True)
+    ok = healthy and (memory is True or (memory is None and not resumed))
+    if ok and proc.target.fabric:
+        ok, fabric_detail = wait_for_fabric(proc)
+        reason = f"{reason}; {fabric_detail}"
+    result = ResetResult.SUCCESS if ok else ResetResult.FAILED
+    step = ResetStep.DONE if ok or resumed else ResetStep.HEALTH_CHECK
+    return proc.finish(result, step, reason, needs_reboot=not healthy, command=command, undo=True)
 
 
 def wait_for_fabric(proc: Procedure) -> tuple[bool, str]:

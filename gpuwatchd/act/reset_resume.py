@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from gpuwatchd.act.commands import run_command
-from gpuwatchd.act.reset import EMPTY_ENV, Procedure, half_done, run_recovery, wait_for_fabric
+from gpuwatchd.act.reset import EMPTY_ENV, Procedure, check_after_reset, half_done, run_recovery
 from gpuwatchd.act.reset_target import (
     UNRECORDED,
     CommandRunner,
@@ -142,9 +142,8 @@ def resume_interrupted(
         or proc.result is None
         or (restoring and proc.result is ResetResult.SUCCESS)
     ):
-        return _check_after_reset(
-            proc, f"interrupted at step {step.value} after the reset command started"
-        )
+        interrupted = f"interrupted at step {step.value} after the reset command started"
+        return check_after_reset(proc, interrupted, resumed=True)
 
     reason = f"interrupted at step {step.value}; reset result was {proc.result}; finished"
     return proc.finish(proc.result, ResetStep.DONE, reason, undo=True)
@@ -164,23 +163,6 @@ def _progress_from(proc: Procedure, record: Mapping[str, object]) -> None:
     # An unknown recorded result is no result: the GPU is checked again below.
     known = isinstance(result, str) and result in {r.value for r in ResetResult}
     proc.result = ResetResult(result) if known else None
-
-
-def _check_after_reset(proc: Procedure, interrupted: str) -> ResetOutcome:
-    """A reset interrupted after its command started: the GPU's health checked, then undone
-    as after any reset; ``success`` only when it is healthy and its memory is back."""
-    healthy, memory = True, None
-    if not proc.commands.health:
-        detail = "the health check command cannot be built; GPU state unknown"
-    else:
-        healthy, memory, detail = proc.health_check()
-    result = ResetResult.SUCCESS if healthy and memory is True else ResetResult.FAILED
-    reason = f"{interrupted}; {detail}"
-    if result is ResetResult.SUCCESS and proc.target.fabric:
-        completed, fabric_detail = wait_for_fabric(proc)
-        reason = f"{reason}; {fabric_detail}"
-        result = ResetResult.SUCCESS if completed else ResetResult.FAILED
-    return proc.finish(result, ResetStep.DONE, reason, needs_reboot=not healthy, undo=True)
 
 
 def _resume_recovery(proc: Procedure, recovery: InstanceRecovery, done: int | None) -> ResetOutcome:
@@ -230,4 +212,4 @@ def _resume_recovery(proc: Procedure, recovery: InstanceRecovery, done: int | No
                 undo=True,
             )
     went_on = f"went on at command {point + 1}" if point < total else "re-created already"
-    return _check_after_reset(proc, f"{interrupted}; {went_on}")
+    return check_after_reset(proc, f"{interrupted}; {went_on}", resumed=True)

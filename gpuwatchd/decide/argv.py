@@ -168,17 +168,13 @@ def format_argv(template: Sequence[str], **values: str | None) -> tuple[str, ...
             raise ValueError(f"unknown placeholder value {given!r}")
     result = []
     for arg in template:
-        placeholders_in(arg)  # the checks and messages of the config reader
-        pieces: list[str] = []
-        for literal, name, _spec, _conversion in string.Formatter().parse(arg):
-            pieces.append(literal)
-            if name is None:
-                continue
+        filled: dict[str, str] = {}
+        for name in placeholders_in(arg):  # the checks and messages of the config reader
             value = values.get(name)
             if value is None:
                 raise ValueError(f"no value for {{{name}}} in {arg!r}")
-            pieces.append(check_value(name, value))
-        result.append("".join(pieces))
+            filled[name] = check_value(name, value)
+        result.append(arg.format_map(filled))  # plain names only: placeholders_in checked
     return tuple(result)
 
 

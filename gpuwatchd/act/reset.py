@@ -330,7 +330,6 @@ def perform_reset(
 
 def _up_to_final_scan(proc: Procedure) -> ResetOutcome | None:
     """Steps drain to final_scan; an outcome when the procedure stopped (and was undone)."""
-    target, env = proc.target, proc.env
     if (stopped := _drain(proc) or _stop_nvml(proc)) is not None:
         return stopped
 
@@ -351,7 +350,7 @@ def _up_to_final_scan(proc: Procedure) -> ResetOutcome | None:
         return proc.abort(ResetStep.FINAL_SCAN, UNRECORDED)
     try:
         # A dry run stops no monitor: those it would stop are not counted as holders.
-        blockers = list(env.final_blockers(target, would_stop))
+        blockers = list(proc.env.final_blockers(proc.target, would_stop))
     except Exception as err:  # a scan that failed proves nothing: unknown blocks
         blockers = [f"the holder scan failed: {err}"]
     proc.event(
@@ -369,10 +368,9 @@ def _up_to_final_scan(proc: Procedure) -> ResetOutcome | None:
 
 def _drain(proc: Procedure) -> ResetOutcome | None:
     """Step drain (skipped when a health reset drained already); an outcome when it stopped."""
-    prepared = proc.commands
     if not proc.begin(ResetStep.DRAIN):
         return proc.finish(ResetResult.REFUSED, ResetStep.DRAIN, UNRECORDED)
-    if proc.drained and prepared.drain:
+    if proc.drained and proc.commands.drain:
         proc.event(
             ResetStep.DRAIN, ResetStepStatus.SKIPPED, detail="drained already, before the wait"
         )

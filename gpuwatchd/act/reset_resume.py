@@ -20,7 +20,7 @@ from gpuwatchd.act.reset_target import (
     prepare_commands,
     prepare_hooks,
 )
-from gpuwatchd.core.checked import as_flag, as_text
+from gpuwatchd.core.checked import as_flag, as_one_of, as_text
 from gpuwatchd.core.model import as_int
 from gpuwatchd.core.vocabulary import EventName, Level, ResetResult, ResetStep
 from gpuwatchd.decide.mig.recovery import (
@@ -76,10 +76,8 @@ def _read_back(
     record: Mapping[str, object], reset: ResetPolicy, hostname: str | None
 ) -> tuple[ResetStep, ResetTarget, Commands] | str | None:
     """The record's last step, target and commands; None when done; else why it is unreadable."""
-    try:
-        step = ResetStep(record.get("step"))
-    except ValueError:
-        step = None
+    name = as_one_of(*ResetStep)(record.get("step"))
+    step = None if name is None else ResetStep(name)
     target = _target_from(record, hostname)
     if step is ResetStep.DONE:
         return None
@@ -150,8 +148,7 @@ def resume_interrupted(
 
 
 def _progress_from(proc: Procedure, record: Mapping[str, object]) -> None:
-    """The interrupted reset's progress as the record left it: whether persistence mode was
-    turned off, the monitors' units stopped, whether the reset command started, its result."""
+    """The interrupted reset's progress, as :meth:`Procedure.begin` recorded it."""
     if not proc.commands.reset:
         proc.recorded = None  # none built: a crash now leaves the record to be read as today
     proc.persistence_off = record.get("persistence_off") is True
@@ -159,10 +156,9 @@ def _progress_from(proc: Procedure, record: Mapping[str, object]) -> None:
     if isinstance(units, list):  # the monitors' units stop_monitors stopped: started again
         proc.units_stopped = [u for u in units if isinstance(u, str) and UNIT_NAME.fullmatch(u)]
     proc.reset_started = record.get("reset_started") is True
-    result = record.get("result")
     # An unknown recorded result is no result: the GPU is checked again below.
-    known = isinstance(result, str) and result in {r.value for r in ResetResult}
-    proc.result = ResetResult(result) if known else None
+    result = as_one_of(*ResetResult)(record.get("result"))
+    proc.result = None if result is None else ResetResult(result)
 
 
 def _resume_recovery(proc: Procedure, recovery: InstanceRecovery, done: int | None) -> ResetOutcome:
@@ -200,16 +196,11 @@ def _resume_recovery(proc: Procedure, recovery: InstanceRecovery, done: int | No
         if not proc.begin(ResetStep.RESET):
             reason = half_done(recovery, ran, UNRECORDED)
             return proc.finish(ResetResult.FAILED, ResetStep.DONE, reason, undo=True)
-        command, result, needs_reboot, why = run_recovery(proc, point, resumed=True)
+        command, result, reboot, why = run_recovery(proc, point, resumed=True)
         if result is not ResetResult.SUCCESS:
             reason = f"{interrupted}; {why}"
             return proc.finish(
-                result,
-                ResetStep.RESET,
-                reason,
-                needs_reboot=needs_reboot,
-                command=command,
-                undo=True,
+                result, ResetStep.RESET, reason, needs_reboot=reboot, command=command, undo=True
             )
     went_on = f"went on at command {point + 1}" if point < total else "re-created already"
     return check_after_reset(proc, f"{interrupted}; {went_on}", resumed=True)

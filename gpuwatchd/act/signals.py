@@ -97,9 +97,8 @@ class Signaller:
                 return SignalResult(SignalOutcome.ZOMBIE, _zombie_detail(pid), "Z")
             return SignalResult(SignalOutcome.GONE, f"PID {pid} has exited")
 
-        if kept is not None:
-            pidfd = kept
-        else:
+        pidfd = kept
+        if pidfd is None:
             try:
                 pidfd = pidfd_open(pid)
             except OSError as err:

@@ -660,9 +660,9 @@ def run_recovery(proc: Procedure, start: int = 0, *, resumed: bool = False) -> R
 
 def restore_layout(proc: Procedure) -> tuple[bool | None, str]:
     """After a MIG GPU's reset, the GPU instances a fresh reading lacks created again (MIG mode
-    must be on), each recorded first, then each checked back (docs/internals.md). (True,
-    detail) when the layout is back; (False, why and the commands left to run by hand); (None,
-    ...) in a dry run."""
+    must be on; one command each, as prepare_commands and its reader check), each recorded
+    first, then each checked back (docs/internals.md). (True, detail) when the layout is back;
+    (False, why and the commands left to run by hand); (None, ...) in a dry run."""
     layout, restore, step = proc.target.layout, proc.commands.restore, ResetStep.HEALTH_CHECK
     if proc.dry_run:
         for argv in restore:
@@ -676,8 +676,6 @@ def restore_layout(proc: Procedure) -> tuple[bool | None, str]:
         missing = f"reading the GPU again failed: {err}"
     if isinstance(missing, str):
         why = f"MIG mode is not confirmed after the reset: {missing}"
-    elif len(restore) != len(layout):
-        why = "the commands creating its GPU instances cannot be built from the configuration"
     else:
         left = list(missing)
         todo = f"MIG mode on; {len(left)} of {len(layout)} GPU instance(s) to create"
@@ -703,9 +701,9 @@ def restore_layout(proc: Procedure) -> tuple[bool | None, str]:
                 break
     if why is None:
         return True, f"its MIG layout is back ({len(layout)} GPU instance(s))"
-    commands = "; ".join(shlex.join(restore[n]) for n in left if n < len(restore))
+    commands = "; ".join(shlex.join(restore[n]) for n in left)
     proc.event(step, ResetStepStatus.CHANGED, level=Level.ERROR, detail=why,
-               remaining=[list(restore[n]) for n in left if n < len(restore)])  # fmt: skip
+               remaining=[list(restore[n]) for n in left])  # fmt: skip
     return False, (
         f"the MIG layout is not restored: {why}; commands left to run by hand: "
         f"{commands or 'none; check `nvidia-smi mig -lgi`'}"

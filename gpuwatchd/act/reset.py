@@ -87,18 +87,14 @@ class Procedure:
     result: ResetResult | None = None
     commands_done: int = 0  # a MIG recovery's commands that completed (run_recovery)
     notes: list[str] = field(default_factory=list)
-    # What each step records of the commands; None: not recorded (an old record's resume).
-    recorded: dict[str, object] | None = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.recorded = self.commands.record()
 
     def begin(self, step: ResetStep) -> bool:
         """Record ``step`` before it runs. False if progress could not be persisted."""
         if self.dry_run:
             return True
         data: dict[str, object] = {
-            **({} if self.recorded is None else {"commands": self.recorded}),
+            # None built (an old record's resume): a crash leaves the record to be read as today
+            **({"commands": self.commands.record()} if self.commands.reset else {}),
             "persistence_off": self.persistence_off,
             "units_stopped": list(self.units_stopped),
             "reset_started": self.reset_started,

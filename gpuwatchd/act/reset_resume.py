@@ -149,8 +149,6 @@ def resume_interrupted(
 
 def _progress_from(proc: Procedure, record: Mapping[str, object]) -> None:
     """The interrupted reset's progress, as :meth:`Procedure.begin` recorded it."""
-    if not proc.commands.reset:
-        proc.recorded = None  # none built: a crash now leaves the record to be read as today
     proc.persistence_off = record.get("persistence_off") is True
     units = record.get("units_stopped")
     if isinstance(units, list):  # the monitors' units stop_monitors stopped: started again

@@ -140,10 +140,7 @@ class Signaller:
         deadline = time.monotonic() + max(timeout, 0.0)
         while True:
             remaining = deadline - time.monotonic()
-            try:
-                events = poller.poll(max(0, int(remaining * 1000 + 0.999)))
-            except InterruptedError:  # pragma: no cover - PEP 475 retries poll itself
-                events = []
+            events = poller.poll(max(0, int(remaining * 1000 + 0.999)))  # PEP 475: no EINTR
             if events or remaining <= 0:
                 break
         exited = [by_fd[fd] for fd, _mask in events if fd in by_fd]

@@ -58,24 +58,11 @@ def _target_from(record: Mapping[str, object], hostname: str | None) -> ResetTar
     )
 
 
-def _commands_of(
-    record: Mapping[str, object], target: ResetTarget, policy: ResetPolicy
-) -> Commands | str:
-    """The commands the reset worked out when it started, or what is wrong with them. A record
-    from before they were recorded has none: today's policy's then (none when it cannot build
-    them; the after hooks of the policy still run)."""
-    if "commands" in record:
-        return commands_from_record(record["commands"], target)
-    rebuilt = prepare_commands(target, policy)
-    if isinstance(rebuilt, str):
-        return Commands((), (), None, None, after=prepare_hooks(policy.after, target))
-    return rebuilt
-
-
 def _read_back(
     record: Mapping[str, object], reset: ResetPolicy, hostname: str | None
 ) -> tuple[ResetStep, ResetTarget, Commands] | str | None:
-    """The record's last step, target and commands; None when done; else why it is unreadable."""
+    """The record's last step, target and commands (those the reset worked out when it
+    started); None when done; else why it is unreadable."""
     name = as_one_of(*ResetStep)(record.get("step"))
     step = None if name is None else ResetStep(name)
     target = _target_from(record, hostname)
@@ -83,11 +70,18 @@ def _read_back(
         return None
     if step is None or target is None:
         return f"unreadable reset record {dict(record)!r}; nothing was changed"
-    commands = _commands_of(record, target, reset)
-    if isinstance(commands, str):
-        return (f"unreadable reset record of {target.uuid}: its recorded commands: {commands}; "
-                "nothing was changed")  # fmt: skip
-    return step, target, commands
+    if "commands" in record:
+        commands = commands_from_record(record["commands"], target)
+        if isinstance(commands, str):
+            return (f"unreadable reset record of {target.uuid}: its recorded commands: "
+                    f"{commands}; nothing was changed")  # fmt: skip
+        return step, target, commands
+    # A record from before the commands were recorded: today's policy's (none when it cannot
+    # build them; its after hooks still run).
+    rebuilt = prepare_commands(target, reset)
+    if isinstance(rebuilt, str):
+        rebuilt = Commands((), (), None, None, after=prepare_hooks(reset.after, target))
+    return step, target, rebuilt
 
 
 def resume_interrupted(

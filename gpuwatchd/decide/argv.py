@@ -126,11 +126,9 @@ class ArgvError(ValueError):
 
 
 def placeholders_in(arg: str, allowed: Sequence[str] = ARGV_PLACEHOLDERS) -> list[str]:
-    """The placeholder names in ``arg``, in order. ``{{``/``}}`` are literal braces.
-
-    Raises :class:`ArgvError` for unbalanced braces, a name not in ``allowed``, or a format spec
-    or conversion (``{uuid:>5}``, ``{uuid!r}``).
-    """
+    """The placeholder names in ``arg``, in order (``{{``/``}}``: literal braces). Raises
+    :class:`ArgvError` for unbalanced braces, a name not in ``allowed``, or a format spec or
+    conversion (``{uuid:>5}``, ``{uuid!r}``)."""
     try:
         parsed = list(string.Formatter().parse(arg))
     except ValueError as err:
@@ -300,19 +298,15 @@ class _Selector:
 def _selectors(argv: Sequence[str]) -> list[_Selector]:
     """Every GPU selector option in ``argv``, in nvidia-smi's spellings, to any program."""
     found = []
-    position = 0
-    while position < len(argv):
-        arg = argv[position]
+    args = iter(argv)
+    for arg in args:
         if arg in ("-i", "--id"):
-            value = argv[position + 1] if position + 1 < len(argv) else None
+            value = next(args, None)  # the next argument is its value, whatever it is
             found.append(_Selector(f"{arg} {value}" if value is not None else arg, value))
-            position += 2
-            continue
-        if arg.startswith("--id="):
+        elif arg.startswith("--id="):
             found.append(_Selector(arg, arg[len("--id=") :]))
         elif arg.startswith("-i") and len(arg) > 2:
             found.append(_Selector(arg, arg[2:].removeprefix("=")))
-        position += 1
     return found
 
 

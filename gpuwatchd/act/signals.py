@@ -92,8 +92,7 @@ class Signaller:
             # Our pidfd says it has exited. The PID may already be reused, so /proc is only
             # consulted to tell a zombie from a reaped process.
             self.forget(identity)
-            current = stat_start_ticks(self._proc_root, pid)
-            if current is not None and current[0] == identity.start_ticks and current[1] == "Z":
+            if stat_start_ticks(self._proc_root, pid) == (identity.start_ticks, "Z"):
                 return SignalResult(SignalOutcome.ZOMBIE, _zombie_detail(pid), "Z")
             return SignalResult(SignalOutcome.GONE, f"PID {pid} has exited")
 

@@ -190,11 +190,8 @@ def hook_value(value: object) -> str:
 def hook_environment(event: str, **fields: object) -> dict[str, str]:
     """``GPUWATCHD_EVENT=event`` plus ``GPUWATCHD_<FIELD>`` for each field that is not None,
     each value made safe by :func:`hook_value`."""
-    env = {"GPUWATCHD_EVENT": hook_value(event)}
-    for name, value in fields.items():
-        if value is not None:
-            env[f"GPUWATCHD_{name.upper()}"] = hook_value(value)
-    return env
+    named = {"event": event, **fields}
+    return {f"GPUWATCHD_{k.upper()}": hook_value(v) for k, v in named.items() if v is not None}
 
 
 # --- checking a command when the policy is read -------------------------------------------------

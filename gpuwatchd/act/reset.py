@@ -379,21 +379,20 @@ def _drain(proc: Procedure) -> ResetOutcome | None:
 
 def _stop_nvml(proc: Procedure) -> ResetOutcome | None:
     """Step stop_nvml: our own NVML worker stopped; an outcome when it could not be."""
-    if not proc.begin(ResetStep.STOP_NVML):
-        return proc.abort(ResetStep.STOP_NVML, UNRECORDED)
+    step = ResetStep.STOP_NVML
+    if not proc.begin(step):
+        return proc.abort(step, UNRECORDED)
     if proc.dry_run:
-        proc.event(
-            ResetStep.STOP_NVML, ResetStepStatus.WOULD_RUN, detail="would stop the NVML worker"
-        )
-    else:
-        try:
-            released = proc.env.stop_nvml()
-        except Exception as err:  # an error here means "not released"
-            released = False
-            proc.notes.append(f"stopping NVML raised: {err}")
-        proc.event(ResetStep.STOP_NVML, ResetStepStatus.OK if released else ResetStepStatus.FAILED)
-        if not released:
-            return proc.abort(ResetStep.STOP_NVML, "our own NVML worker still holds the device")
+        proc.event(step, ResetStepStatus.WOULD_RUN, detail="would stop the NVML worker")
+        return None
+    try:
+        released = proc.env.stop_nvml()
+    except Exception as err:  # an error here means "not released"
+        released = False
+        proc.notes.append(f"stopping NVML raised: {err}")
+    proc.event(step, ResetStepStatus.OK if released else ResetStepStatus.FAILED)
+    if not released:
+        return proc.abort(step, "our own NVML worker still holds the device")
     return None
 
 

@@ -400,30 +400,27 @@ def _persistence_off(proc: Procedure) -> ResetOutcome | None:
     """Step persistence_off: persistence mode turned off when the policy toggles it and it
     was on (recorded first, so an undo restores it), else said skipped and why; an outcome
     when the command failed (undone)."""
-    target, reset, prepared = proc.target, proc.policy, proc.commands
+    target, step = proc.target, ResetStep.PERSISTENCE_OFF
+    skipped: str | None = None
     if target.recovery is not None:
-        detail = "a MIG GPU instance's re-creation leaves persistence mode as it is"
-        proc.event(ResetStep.PERSISTENCE_OFF, ResetStepStatus.SKIPPED, detail=detail)
-    elif reset.toggle_persistence and target.persistence_was_on is True:
-        proc.persistence_off = True  # recorded before the command: undo restores it regardless
-        if not proc.begin(ResetStep.PERSISTENCE_OFF):
-            return proc.abort(ResetStep.PERSISTENCE_OFF, UNRECORDED)
-        assert prepared.persistence_off is not None  # noqa: S101 - built by _prepare
-        done = proc.command(ResetStep.PERSISTENCE_OFF, prepared.persistence_off)
-        if done is not None and not done.ok:
-            reason = (
-                f"could not turn persistence mode off: {done.describe()}{quote_output(done.output)}"
-            )
-            return proc.abort(ResetStep.PERSISTENCE_OFF, reason)
-    else:
-        why = (
-            "toggle_persistence is off"
-            if not reset.toggle_persistence
-            else "persistence mode was off"
-            if target.persistence_was_on is False
-            else "persistence mode is unknown; left as it is"
-        )
-        proc.event(ResetStep.PERSISTENCE_OFF, ResetStepStatus.SKIPPED, detail=why)
+        skipped = "a MIG GPU instance's re-creation leaves persistence mode as it is"
+    elif not proc.policy.toggle_persistence:
+        skipped = "toggle_persistence is off"
+    elif target.persistence_was_on is False:
+        skipped = "persistence mode was off"
+    elif target.persistence_was_on is None:
+        skipped = "persistence mode is unknown; left as it is"
+    if skipped is not None:
+        proc.event(step, ResetStepStatus.SKIPPED, detail=skipped)
+        return None
+    proc.persistence_off = True  # recorded before the command: undo restores it regardless
+    if not proc.begin(step):
+        return proc.abort(step, UNRECORDED)
+    assert proc.commands.persistence_off is not None  # noqa: S101 - built by prepare_commands
+    done = proc.command(step, proc.commands.persistence_off)
+    if done is not None and not done.ok:
+        reason = f"could not turn persistence mode off: {done.describe()}"
+        return proc.abort(step, reason + quote_output(done.output))
     return None
 
 

@@ -120,8 +120,7 @@ def resume_interrupted(
 
     if not proc.reset_started:
         reason = f"interrupted at step {step.value} before the reset command ran; undone"
-        proc.restore(ResetResult.REFUSED, reason)
-        return proc.finish(ResetResult.REFUSED, step, reason)
+        return proc.abort(step, reason)
 
     if target.recovery is not None and step is ResetStep.RESET and proc.result is None:
         return _resume_recovery(proc, target.recovery, as_int(record.get("commands_done")))
@@ -172,8 +171,7 @@ def _resume_recovery(proc: Procedure, recovery: InstanceRecovery, done: int | No
         changed = instance_changed(recovery, gpu)
         if changed is None and not done:
             reason = f"{interrupted}; the instance is as planned: none took effect; undone"
-            proc.restore(ResetResult.REFUSED, reason)
-            return proc.finish(ResetResult.REFUSED, ResetStep.RESET, reason)
+            return proc.abort(ResetStep.RESET, reason)
         if changed is None:
             point = f"the instance is still listed as planned after {done} command(s)"
         elif not commands:

@@ -381,8 +381,7 @@ def outcome_event(
     outcome: ResetOutcome, *, gpu: str, pci_bus_id: str | None, dry_run: bool
 ) -> tuple[Level, dict[str, object]]:
     """The level and fields of ``EventName.RESET_OUTCOME`` (the daemon's and simulate's)."""
-    result = ResetResult(outcome.result)
-    level = Level.CRITICAL if outcome.needs_reboot else RESET_RESULT_LEVELS[result]
+    level = Level.CRITICAL if outcome.needs_reboot else RESET_RESULT_LEVELS[outcome.result]
     return level, {
         "gpu": gpu,
         "pci_bus_id": pci_bus_id,

@@ -92,8 +92,7 @@ class CommandScope:
     def adopt(self, keeper: subprocess.Popen[bytes]) -> None:
         """Keep ``keeper``, whose command exited leaving processes that run on."""
         with self._lock:
-            self._lingering = [p for p in self._lingering if p.poll() is None]
-            self._lingering.append(keeper)
+            self._lingering = [p for p in self._lingering if p.poll() is None] + [keeper]
             if self.cancelled:
                 _stop_keeper(keeper)
 

@@ -122,8 +122,7 @@ def prepare_commands(target: ResetTarget, policy: ResetPolicy) -> Commands | str
         )
     except ValueError as err:
         return f"cannot build the {key} for {target.uuid}: {err}"
-    unsafe = _unsafe(commands, target)
-    if unsafe is not None:
+    if (unsafe := _unsafe(commands, target)) is not None:
         return unsafe
     # What is recorded must read back: the record's bounds hold for these commands too.
     read = commands_from_record(commands.record(), target)

@@ -116,9 +116,7 @@ def prepare_commands(target: ResetTarget, policy: ResetPolicy) -> Commands | str
             format_argv(policy.persistence_command, mode="0", **values),
             format_argv(policy.persistence_command, mode="1", **values),
             layout_argvs(target.layout, policy.mig_recovery_commands),
-            prepare_hooks(policy.drain, target),
-            prepare_hooks(policy.before, target),
-            prepare_hooks(policy.after, target),
+            *(prepare_hooks(h, target) for h in (policy.drain, policy.before, policy.after)),
         )
     except ValueError as err:
         return f"cannot build the {key} for {target.uuid}: {err}"

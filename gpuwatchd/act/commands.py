@@ -341,10 +341,9 @@ def _carries(pid: int, marker: bytes) -> bool:
         return False
 
 
-def kill_marked(marker: bytes) -> int:
+def kill_marked(marker: bytes) -> None:
     """SIGKILL every process whose environment carries ``marker`` (``NAME=value``), each
-    checked again through its pidfd (a reused PID is never hit); how many."""
-    killed = 0
+    checked again through its pidfd (a reused PID is never hit)."""
     for name in os.listdir("/proc"):
         other = name.isascii() and name.isdigit() and int(name) != os.getpid()
         if not other or not _carries(int(name), marker):
@@ -356,12 +355,10 @@ def kill_marked(marker: bytes) -> int:
         try:
             if _carries(int(name), marker):
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                killed += 1
         except OSError:
             pass
         finally:
             os.close(pidfd)
-    return killed
 
 
 def _read_available(

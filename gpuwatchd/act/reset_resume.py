@@ -20,7 +20,7 @@ from gpuwatchd.act.reset_target import (
     prepare_commands,
     prepare_hooks,
 )
-from gpuwatchd.core.checked import as_flag, as_one_of, as_text
+from gpuwatchd.core.checked import as_flag, as_list, as_one_of, as_text
 from gpuwatchd.core.model import as_int
 from gpuwatchd.core.vocabulary import EventName, Level, ResetResult, ResetStep
 from gpuwatchd.decide.mig.recovery import (
@@ -143,9 +143,8 @@ def resume_interrupted(
 def _progress_from(proc: Procedure, record: Mapping[str, object]) -> None:
     """The interrupted reset's progress, as :meth:`Procedure.begin` recorded it."""
     proc.persistence_off = record.get("persistence_off") is True
-    units = record.get("units_stopped")
-    if isinstance(units, list):  # the monitors' units stop_monitors stopped: started again
-        proc.units_stopped = [u for u in units if isinstance(u, str) and UNIT_NAME.fullmatch(u)]
+    units = as_list(record.get("units_stopped"))  # the monitors' units: started again
+    proc.units_stopped = [u for u in units if isinstance(u, str) and UNIT_NAME.fullmatch(u)]
     proc.reset_started = record.get("reset_started") is True
     # An unknown recorded result is no result: the GPU is checked again below.
     result = as_one_of(*ResetResult)(record.get("result"))

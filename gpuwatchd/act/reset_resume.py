@@ -21,7 +21,7 @@ from gpuwatchd.act.reset_target import (
     prepare_hooks,
 )
 from gpuwatchd.core.checked import as_flag, as_list, as_one_of, as_text
-from gpuwatchd.core.model import as_int
+from gpuwatchd.core.model import as_int, fields_of
 from gpuwatchd.core.vocabulary import EventName, Level, ResetResult, ResetStep
 from gpuwatchd.decide.mig.recovery import (
     InstanceRecovery,
@@ -112,8 +112,7 @@ def resume_interrupted(
         Level.WARNING,
         gpu=target.uuid,
         step=step.value,
-        reset_started=proc.reset_started,
-        persistence_off=proc.persistence_off,
+        **fields_of(proc, ("reset_started", "persistence_off")),
     )
     if proc.persistence_off and commands.persistence_on is None:
         proc.notes.append("persistence mode could not be restored: the command cannot be built")

@@ -295,15 +295,19 @@ class _Selector:
 def _selectors(argv: Sequence[str]) -> list[_Selector]:
     """Every GPU selector option in ``argv``, in nvidia-smi's spellings, to any program."""
     found = []
-    args = iter(argv)
-    for arg in args:
+    position = 0
+    while position < len(argv):
+        arg = argv[position]
         if arg in ("-i", "--id"):
-            value = next(args, None)  # the next argument is its value, whatever it is
+            value = argv[position + 1] if position + 1 < len(argv) else None
             found.append(_Selector(f"{arg} {value}" if value is not None else arg, value))
-        elif arg.startswith("--id="):
+            position += 2
+            continue
+        if arg.startswith("--id="):
             found.append(_Selector(arg, arg[len("--id=") :]))
         elif arg.startswith("-i") and len(arg) > 2:
             found.append(_Selector(arg, arg[2:].removeprefix("=")))
+        position += 1
     return found
 
 

@@ -331,8 +331,7 @@ def _up_to_final_scan(proc: Procedure) -> ResetOutcome | None:
 
     if not proc.begin(ResetStep.BEFORE_HOOKS):
         return proc.abort(ResetStep.BEFORE_HOOKS, UNRECORDED)
-    failure = proc.hooks(ResetStep.BEFORE_HOOKS)
-    if failure is not None:
+    if (failure := proc.hooks(ResetStep.BEFORE_HOOKS)) is not None:
         return proc.abort(ResetStep.BEFORE_HOOKS, failure)
 
     stopped, would_stop = _stop_monitors(proc)
@@ -370,10 +369,8 @@ def _drain(proc: Procedure) -> ResetOutcome | None:
         proc.event(
             ResetStep.DRAIN, ResetStepStatus.SKIPPED, detail="drained already, before the wait"
         )
-    else:
-        failure = proc.hooks(ResetStep.DRAIN)
-        if failure is not None:
-            return proc.abort(ResetStep.DRAIN, failure)
+    elif (failure := proc.hooks(ResetStep.DRAIN)) is not None:
+        return proc.abort(ResetStep.DRAIN, failure)
     return None
 
 

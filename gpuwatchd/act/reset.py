@@ -232,8 +232,7 @@ class Procedure:
         self.result = result
         if undo:
             self.restore(result, reason)
-        if self.notes:
-            reason = f"{reason}; " + "; ".join(self.notes)
+        reason = "; ".join([reason, *self.notes])
         self.begin(ResetStep.DONE)
         level = _FINISHED_LEVELS.get(ResetResult(result), Level.ERROR)
         outcome = ResetOutcome(result, step, reason, needs_reboot, command, tuple(blockers))

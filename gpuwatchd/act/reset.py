@@ -93,7 +93,7 @@ class Procedure:
         if self.dry_run:
             return True
         data: dict[str, object] = {
-            # None built (an old record's resume): a crash leaves the record to be read as today
+            # None when none was built (an old record's resume): that record is read as before
             **({"commands": self.commands.record()} if self.commands.reset else {}),
             "persistence_off": self.persistence_off,
             "units_stopped": list(self.units_stopped),
@@ -246,7 +246,7 @@ class Procedure:
         return self.finish(result, step, reason, blockers=blockers)
 
     def health_check(self) -> tuple[bool, bool | None, str]:
-        """(health command passed, memory back to baseline, detail); a dry run's tells nothing."""
+        """(health command passed, memory back to baseline, detail); meaningless in a dry run."""
         self.begin(ResetStep.HEALTH_CHECK)
         done = self.command(ResetStep.HEALTH_CHECK, self.commands.health)
         if done is not None and not done.ok:

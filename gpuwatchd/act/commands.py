@@ -92,8 +92,7 @@ class CommandScope:
     def adopt(self, keeper: subprocess.Popen[bytes]) -> None:
         """Keep ``keeper``, whose command exited leaving processes that run on."""
         with self._lock:
-            self._lingering = [p for p in self._lingering if p.poll() is None]
-            self._lingering.append(keeper)
+            self._lingering = [p for p in self._lingering if p.poll() is None] + [keeper]
             if self.cancelled:
                 _stop_keeper(keeper)
 
@@ -342,10 +341,9 @@ def _carries(pid: int, marker: bytes) -> bool:
         return False
 
 
-def kill_marked(marker: bytes) -> int:
+def kill_marked(marker: bytes) -> None:
     """SIGKILL every process whose environment carries ``marker`` (``NAME=value``), each
-    checked again through its pidfd (a reused PID is never hit); how many."""
-    killed = 0
+    checked again through its pidfd (a reused PID is never hit)."""
     for name in os.listdir("/proc"):
         other = name.isascii() and name.isdigit() and int(name) != os.getpid()
         if not other or not _carries(int(name), marker):
@@ -357,12 +355,10 @@ def kill_marked(marker: bytes) -> int:
         try:
             if _carries(int(name), marker):
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                killed += 1
         except OSError:
             pass
         finally:
             os.close(pidfd)
-    return killed
 
 
 def _read_available(

@@ -95,25 +95,15 @@ class EvidenceEntry:
         return fields_of(self, ("name", "written", "action", "dry_run", "gpu"))
 
 
-def parse_name(name: str) -> EvidenceEntry | None:
-    found = _NAME.match(name)
-    if found is None:
-        return None
-    return EvidenceEntry(
-        name=name,
-        seq=int(found["seq"]),
-        written=found["stamp"],
-        action=found["action"],
-        dry_run=found["dry"] is not None,
-        gpu=found["gpu"],
-    )
-
-
 def list_evidence(folder: EvidenceFolder) -> list[EvidenceEntry]:
     """The evidence files in ``folder``, oldest first (by their sequence number, not the
     wall clock, which may have been stepped back); other names are not looked at."""
-    found = (parse_name(name) for name in folder.names(PREFIX))
-    return sorted((e for e in found if e is not None), key=lambda e: (e.seq, e.name))
+    named = [(name, m) for name in folder.names(PREFIX) if (m := _NAME.match(name)) is not None]
+    entries = [
+        EvidenceEntry(name, int(m["seq"]), m["stamp"], m["action"], m["dry"] is not None, m["gpu"])
+        for name, m in named
+    ]
+    return sorted(entries, key=lambda e: (e.seq, e.name))
 
 
 def _name(seq: int, wall: float, step: Step) -> str:

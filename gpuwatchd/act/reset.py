@@ -52,11 +52,6 @@ _FINISHED_LEVELS: Mapping[ResetResult, Level] = {
 }
 
 
-def _instance_fields(target: ResetTarget) -> dict[str, object]:
-    """What every event of a MIG GPU instance's re-creation says about the instance."""
-    return {} if target.recovery is None else target.recovery.fields()
-
-
 def _finished(
     env: ResetEnvironment, target: ResetTarget, outcome: ResetOutcome, dry_run: bool, level: Level
 ) -> ResetOutcome:
@@ -67,7 +62,7 @@ def _finished(
         gpu=target.uuid,
         **outcome.fields(),
         dry_run=dry_run,
-        **_instance_fields(target),
+        **({} if target.recovery is None else target.recovery.fields()),
     )
     return outcome
 
@@ -92,18 +87,14 @@ class Procedure:
     result: ResetResult | None = None
     commands_done: int = 0  # a MIG recovery's commands that completed (run_recovery)
     notes: list[str] = field(default_factory=list)
-    # What each step records of the commands; None: not recorded (an old record's resume).
-    recorded: dict[str, object] | None = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.recorded = self.commands.record()
 
     def begin(self, step: ResetStep) -> bool:
         """Record ``step`` before it runs. False if progress could not be persisted."""
         if self.dry_run:
             return True
         data: dict[str, object] = {
-            **({} if self.recorded is None else {"commands": self.recorded}),
+            # None when none was built (an old record's resume): that record is read as before
+            **({"commands": self.commands.record()} if self.commands.reset else {}),
             "persistence_off": self.persistence_off,
             "units_stopped": list(self.units_stopped),
             "reset_started": self.reset_started,
@@ -133,7 +124,7 @@ class Procedure:
             step=step.value,
             status=status,
             dry_run=self.dry_run,
-            **_instance_fields(self.target),
+            **({} if self.target.recovery is None else self.target.recovery.fields()),
             **fields,
         )
 
@@ -241,8 +232,7 @@ class Procedure:
         self.result = result
         if undo:
             self.restore(result, reason)
-        if self.notes:
-            reason = f"{reason}; " + "; ".join(self.notes)
+        reason = "; ".join([reason, *self.notes])
         self.begin(ResetStep.DONE)
         level = _FINISHED_LEVELS.get(ResetResult(result), Level.ERROR)
         outcome = ResetOutcome(result, step, reason, needs_reboot, command, tuple(blockers))
@@ -251,24 +241,17 @@ class Procedure:
     def abort(self, step: ResetStep, reason: str, blockers: Sequence[str] = ()) -> ResetOutcome:
         """Stop before the reset command, undo, and report ``refused`` (or a dry run's verdict)."""
         self.restore(ResetResult.REFUSED, reason)
-        if self.dry_run:
-            return self.finish(
-                ResetResult.DRY_RUN, step, f"would be refused: {reason}", blockers=blockers
-            )
-        return self.finish(ResetResult.REFUSED, step, reason, blockers=blockers)
+        result = ResetResult.DRY_RUN if self.dry_run else ResetResult.REFUSED
+        reason = f"would be refused: {reason}" if self.dry_run else reason
+        return self.finish(result, step, reason, blockers=blockers)
 
     def health_check(self) -> tuple[bool, bool | None, str]:
-        """(health command passed, memory back to baseline, detail)."""
+        """(health command passed, memory back to baseline, detail); meaningless in a dry run."""
         self.begin(ResetStep.HEALTH_CHECK)
         done = self.command(ResetStep.HEALTH_CHECK, self.commands.health)
-        if done is None:
-            if self.target.layout:
-                self.persistence_back_on()
-                restore_layout(self)
-            return True, None, "dry-run"
-        if not done.ok:
+        if done is not None and not done.ok:
             return False, None, f"health check failed: {done.describe()}{quote_output(done.output)}"
-        if self.target.recovery is not None:
+        if done is not None and self.target.recovery is not None:
             return self.instance_check()
         if self.target.layout:  # a MIG GPU: its instances created again, then checked
             # Persistence mode first: a GPU the driver deinitialises loses its instances.
@@ -276,6 +259,8 @@ class Procedure:
             self.begin(ResetStep.HEALTH_CHECK)  # a crash from here on resumes the restore
             back, detail = restore_layout(self)
             return True, back, f"health check passed; {detail}"
+        if done is None:
+            return True, None, "dry-run"
         try:
             memory = self.env.memory_back_to_baseline(self.target)
         except Exception as err:  # unknown, logged; never counted as good
@@ -340,14 +325,12 @@ def perform_reset(
 
 def _up_to_final_scan(proc: Procedure) -> ResetOutcome | None:
     """Steps drain to final_scan; an outcome when the procedure stopped (and was undone)."""
-    target, env = proc.target, proc.env
     if (stopped := _drain(proc) or _stop_nvml(proc)) is not None:
         return stopped
 
     if not proc.begin(ResetStep.BEFORE_HOOKS):
         return proc.abort(ResetStep.BEFORE_HOOKS, UNRECORDED)
-    failure = proc.hooks(ResetStep.BEFORE_HOOKS)
-    if failure is not None:
+    if (failure := proc.hooks(ResetStep.BEFORE_HOOKS)) is not None:
         return proc.abort(ResetStep.BEFORE_HOOKS, failure)
 
     stopped, would_stop = _stop_monitors(proc)
@@ -361,7 +344,7 @@ def _up_to_final_scan(proc: Procedure) -> ResetOutcome | None:
         return proc.abort(ResetStep.FINAL_SCAN, UNRECORDED)
     try:
         # A dry run stops no monitor: those it would stop are not counted as holders.
-        blockers = list(env.final_blockers(target, would_stop))
+        blockers = list(proc.env.final_blockers(proc.target, would_stop))
     except Exception as err:  # a scan that failed proves nothing: unknown blocks
         blockers = [f"the holder scan failed: {err}"]
     proc.event(
@@ -379,37 +362,33 @@ def _up_to_final_scan(proc: Procedure) -> ResetOutcome | None:
 
 def _drain(proc: Procedure) -> ResetOutcome | None:
     """Step drain (skipped when a health reset drained already); an outcome when it stopped."""
-    prepared = proc.commands
     if not proc.begin(ResetStep.DRAIN):
         return proc.finish(ResetResult.REFUSED, ResetStep.DRAIN, UNRECORDED)
-    if proc.drained and prepared.drain:
+    if proc.drained and proc.commands.drain:
         proc.event(
             ResetStep.DRAIN, ResetStepStatus.SKIPPED, detail="drained already, before the wait"
         )
-    else:
-        failure = proc.hooks(ResetStep.DRAIN)
-        if failure is not None:
-            return proc.abort(ResetStep.DRAIN, failure)
+    elif (failure := proc.hooks(ResetStep.DRAIN)) is not None:
+        return proc.abort(ResetStep.DRAIN, failure)
     return None
 
 
 def _stop_nvml(proc: Procedure) -> ResetOutcome | None:
     """Step stop_nvml: our own NVML worker stopped; an outcome when it could not be."""
-    if not proc.begin(ResetStep.STOP_NVML):
-        return proc.abort(ResetStep.STOP_NVML, UNRECORDED)
+    step = ResetStep.STOP_NVML
+    if not proc.begin(step):
+        return proc.abort(step, UNRECORDED)
     if proc.dry_run:
-        proc.event(
-            ResetStep.STOP_NVML, ResetStepStatus.WOULD_RUN, detail="would stop the NVML worker"
-        )
-    else:
-        try:
-            released = proc.env.stop_nvml()
-        except Exception as err:  # an error here means "not released"
-            released = False
-            proc.notes.append(f"stopping NVML raised: {err}")
-        proc.event(ResetStep.STOP_NVML, ResetStepStatus.OK if released else ResetStepStatus.FAILED)
-        if not released:
-            return proc.abort(ResetStep.STOP_NVML, "our own NVML worker still holds the device")
+        proc.event(step, ResetStepStatus.WOULD_RUN, detail="would stop the NVML worker")
+        return None
+    try:
+        released = proc.env.stop_nvml()
+    except Exception as err:  # an error here means "not released"
+        released = False
+        proc.notes.append(f"stopping NVML raised: {err}")
+    proc.event(step, ResetStepStatus.OK if released else ResetStepStatus.FAILED)
+    if not released:
+        return proc.abort(step, "our own NVML worker still holds the device")
     return None
 
 
@@ -417,30 +396,27 @@ def _persistence_off(proc: Procedure) -> ResetOutcome | None:
     """Step persistence_off: persistence mode turned off when the policy toggles it and it
     was on (recorded first, so an undo restores it), else said skipped and why; an outcome
     when the command failed (undone)."""
-    target, reset, prepared = proc.target, proc.policy, proc.commands
+    target, step = proc.target, ResetStep.PERSISTENCE_OFF
+    skipped: str | None = None
     if target.recovery is not None:
-        detail = "a MIG GPU instance's re-creation leaves persistence mode as it is"
-        proc.event(ResetStep.PERSISTENCE_OFF, ResetStepStatus.SKIPPED, detail=detail)
-    elif reset.toggle_persistence and target.persistence_was_on is True:
-        proc.persistence_off = True  # recorded before the command: undo restores it regardless
-        if not proc.begin(ResetStep.PERSISTENCE_OFF):
-            return proc.abort(ResetStep.PERSISTENCE_OFF, UNRECORDED)
-        assert prepared.persistence_off is not None  # noqa: S101 - built by _prepare
-        done = proc.command(ResetStep.PERSISTENCE_OFF, prepared.persistence_off)
-        if done is not None and not done.ok:
-            reason = (
-                f"could not turn persistence mode off: {done.describe()}{quote_output(done.output)}"
-            )
-            return proc.abort(ResetStep.PERSISTENCE_OFF, reason)
-    else:
-        why = (
-            "toggle_persistence is off"
-            if not reset.toggle_persistence
-            else "persistence mode was off"
-            if target.persistence_was_on is False
-            else "persistence mode is unknown; left as it is"
-        )
-        proc.event(ResetStep.PERSISTENCE_OFF, ResetStepStatus.SKIPPED, detail=why)
+        skipped = "a MIG GPU instance's re-creation leaves persistence mode as it is"
+    elif not proc.policy.toggle_persistence:
+        skipped = "toggle_persistence is off"
+    elif target.persistence_was_on is False:
+        skipped = "persistence mode was off"
+    elif target.persistence_was_on is None:
+        skipped = "persistence mode is unknown; left as it is"
+    if skipped is not None:
+        proc.event(step, ResetStepStatus.SKIPPED, detail=skipped)
+        return None
+    proc.persistence_off = True  # recorded before the command: undo restores it regardless
+    if not proc.begin(step):
+        return proc.abort(step, UNRECORDED)
+    assert proc.commands.persistence_off is not None  # noqa: S101 - built by prepare_commands
+    done = proc.command(step, proc.commands.persistence_off)
+    if done is not None and not done.ok:
+        reason = f"could not turn persistence mode off: {done.describe()}"
+        return proc.abort(step, reason + quote_output(done.output))
     return None
 
 
@@ -451,8 +427,9 @@ def _reset_and_check(proc: Procedure) -> ResetOutcome:
     if not proc.begin(ResetStep.RESET):
         proc.reset_started = False
         return proc.abort(ResetStep.RESET, UNRECORDED)
-    command, result, needs_reboot, reason = _run_resets(proc)
     if proc.dry_run:
+        for argv in prepared.reset:
+            proc.command(ResetStep.RESET, argv)
         proc.health_check()
         if target.fabric:
             proc.event(ResetStep.HEALTH_CHECK, ResetStepStatus.WOULD_WAIT_FABRIC,
@@ -462,34 +439,40 @@ def _reset_and_check(proc: Procedure) -> ResetOutcome:
         shown = " then ".join(repr(list(argv)) for argv in prepared.reset)
         what = f"reset {target.uuid}" if target.recovery is None else target.recovery.describe()
         return proc.finish(ResetResult.DRY_RUN, ResetStep.DONE, f"would {what} with {shown}")
+    if target.recovery is not None:
+        command, result, needs_reboot, reason = run_recovery(proc)
+    else:
+        command = proc.command(ResetStep.RESET, prepared.reset[0])
+        assert command is not None  # noqa: S101 - not a dry run
+        result, needs_reboot, reason = interpret_reset_exit(command)
     proc.result = result
     if result != ResetResult.SUCCESS:
         return proc.finish(
             result, ResetStep.RESET, reason, needs_reboot=needs_reboot, command=command, undo=True
         )
-    healthy, memory, detail = proc.health_check()
+    return check_after_reset(proc, reason, command)
+
+
+def check_after_reset(
+    proc: Procedure, reason: str, command: CommandResult | None = None, *, resumed: bool = False
+) -> ResetOutcome:
+    """After the reset command succeeded, or a resume after it started: the GPU's health
+    checked, then undone as after any reset. ``success`` only when it is healthy, its memory
+    back (unknown will do, but not for a resume) and its NVLink fabric ready; else ``failed``
+    at ``health_check`` (a resume's at ``done``)."""
+    healthy, memory = True, None
+    if not proc.commands.health:  # an old record's, when today's policy cannot build it
+        detail = "the health check command cannot be built; GPU state unknown"
+    else:
+        healthy, memory, detail = proc.health_check()
     reason = f"{reason}; {detail}"
-    failed = not healthy or memory is False
-    if not failed and target.fabric:
-        completed, fabric_detail = wait_for_fabric(proc)
-        reason, failed = f"{reason}; {fabric_detail}", not completed
-    if failed:
-        step, rebooting = ResetStep.HEALTH_CHECK, not healthy
-        return proc.finish(
-            ResetResult.FAILED, step, reason, needs_reboot=rebooting, command=command, undo=True
-        )
-    return proc.finish(ResetResult.SUCCESS, ResetStep.DONE, reason, command=command, undo=True)
-
-
-def _run_resets(proc: Procedure) -> Ran:
-    """Run the reset command, or a MIG recovery's (:func:`run_recovery`): result and reading."""
-    if proc.target.recovery is not None:
-        return run_recovery(proc)
-    (argv,) = proc.commands.reset
-    result = proc.command(ResetStep.RESET, argv)
-    if result is None:
-        return None, ResetResult.DRY_RUN, False, "dry-run"
-    return result, *interpret_reset_exit(result)
+    ok = healthy and (memory is True or (memory is None and not resumed))
+    if ok and proc.target.fabric:
+        ok, fabric_detail = wait_for_fabric(proc)
+        reason = f"{reason}; {fabric_detail}"
+    result = ResetResult.SUCCESS if ok else ResetResult.FAILED
+    step = ResetStep.DONE if ok or resumed else ResetStep.HEALTH_CHECK
+    return proc.finish(result, step, reason, needs_reboot=not healthy, command=command, undo=True)
 
 
 def wait_for_fabric(proc: Procedure) -> tuple[bool, str]:
@@ -615,17 +598,13 @@ def _check_instance(
 
 
 def run_recovery(proc: Procedure, start: int = 0, *, resumed: bool = False) -> Ran:
-    """``proc``'s recovery commands from ``start`` until one fails (docs/internals.md): the last
-    result (None when none ran, or a dry run) and its reading. ``resumed``: a destroy may have
-    taken effect before the crash, so its failure proves nothing; the re-read decides."""
+    """``proc``'s recovery commands from ``start`` until one fails (docs/internals.md), never in
+    a dry run: the last result (None when none ran) and its reading. ``resumed``: a destroy may
+    have taken effect before the crash, so its failure proves nothing; the re-read decides."""
     recovery = proc.target.recovery
     assert recovery is not None  # noqa: S101 - called for a recovery only
     commands = proc.commands.reset
     last = len(commands) - 1
-    if proc.dry_run:
-        for argv in commands:
-            proc.command(ResetStep.RESET, argv)
-        return None, ResetResult.DRY_RUN, False, "dry-run"
     result: CommandResult | None = None
     for number in range(start, len(commands)):
         ran = commands[:number]
@@ -669,9 +648,9 @@ def run_recovery(proc: Procedure, start: int = 0, *, resumed: bool = False) -> R
 
 def restore_layout(proc: Procedure) -> tuple[bool | None, str]:
     """After a MIG GPU's reset, the GPU instances a fresh reading lacks created again (MIG mode
-    must be on), each recorded first, then each checked back (docs/internals.md). (True,
-    detail) when the layout is back; (False, why and the commands left to run by hand); (None,
-    ...) in a dry run."""
+    must be on; one command each, as prepare_commands and its reader check), each recorded
+    first, then each checked back (docs/internals.md). (True, detail) when the layout is back;
+    (False, why and the commands left to run by hand); (None, ...) in a dry run."""
     layout, restore, step = proc.target.layout, proc.commands.restore, ResetStep.HEALTH_CHECK
     if proc.dry_run:
         for argv in restore:
@@ -685,8 +664,6 @@ def restore_layout(proc: Procedure) -> tuple[bool | None, str]:
         missing = f"reading the GPU again failed: {err}"
     if isinstance(missing, str):
         why = f"MIG mode is not confirmed after the reset: {missing}"
-    elif len(restore) != len(layout):
-        why = "the commands creating its GPU instances cannot be built from the configuration"
     else:
         left = list(missing)
         todo = f"MIG mode on; {len(left)} of {len(layout)} GPU instance(s) to create"
@@ -712,9 +689,9 @@ def restore_layout(proc: Procedure) -> tuple[bool | None, str]:
                 break
     if why is None:
         return True, f"its MIG layout is back ({len(layout)} GPU instance(s))"
-    commands = "; ".join(shlex.join(restore[n]) for n in left if n < len(restore))
+    commands = "; ".join(shlex.join(restore[n]) for n in left)
     proc.event(step, ResetStepStatus.CHANGED, level=Level.ERROR, detail=why,
-               remaining=[list(restore[n]) for n in left if n < len(restore)])  # fmt: skip
+               remaining=[list(restore[n]) for n in left])  # fmt: skip
     return False, (
         f"the MIG layout is not restored: {why}; commands left to run by hand: "
         f"{commands or 'none; check `nvidia-smi mig -lgi`'}"

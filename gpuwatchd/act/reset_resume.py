@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from gpuwatchd.act.commands import run_command
-from gpuwatchd.act.reset import EMPTY_ENV, Procedure, half_done, run_recovery, wait_for_fabric
+from gpuwatchd.act.reset import EMPTY_ENV, Procedure, check_after_reset, half_done, run_recovery
 from gpuwatchd.act.reset_target import (
     UNRECORDED,
     CommandRunner,
@@ -20,8 +20,8 @@ from gpuwatchd.act.reset_target import (
     prepare_commands,
     prepare_hooks,
 )
-from gpuwatchd.core.checked import as_flag, as_text
-from gpuwatchd.core.model import as_int
+from gpuwatchd.core.checked import as_flag, as_list, as_one_of, as_text
+from gpuwatchd.core.model import as_int, fields_of
 from gpuwatchd.core.vocabulary import EventName, Level, ResetResult, ResetStep
 from gpuwatchd.decide.mig.recovery import (
     InstanceRecovery,
@@ -58,38 +58,30 @@ def _target_from(record: Mapping[str, object], hostname: str | None) -> ResetTar
     )
 
 
-def _commands_of(
-    record: Mapping[str, object], target: ResetTarget, policy: ResetPolicy
-) -> Commands | str:
-    """The commands the reset worked out when it started, or what is wrong with them. A record
-    from before they were recorded has none: today's policy's then (none when it cannot build
-    them; the after hooks of the policy still run)."""
-    if "commands" in record:
-        return commands_from_record(record["commands"], target)
-    rebuilt = prepare_commands(target, policy)
-    if isinstance(rebuilt, str):
-        return Commands((), (), None, None, after=prepare_hooks(policy.after, target))
-    return rebuilt
-
-
 def _read_back(
     record: Mapping[str, object], reset: ResetPolicy, hostname: str | None
 ) -> tuple[ResetStep, ResetTarget, Commands] | str | None:
-    """The record's last step, target and commands; None when done; else why it is unreadable."""
-    try:
-        step = ResetStep(record.get("step"))
-    except ValueError:
-        step = None
+    """The record's last step, target and commands (those the reset worked out when it
+    started); None when done; else why it is unreadable."""
+    name = as_one_of(*ResetStep)(record.get("step"))
+    step = None if name is None else ResetStep(name)
     target = _target_from(record, hostname)
     if step is ResetStep.DONE:
         return None
     if step is None or target is None:
         return f"unreadable reset record {dict(record)!r}; nothing was changed"
-    commands = _commands_of(record, target, reset)
-    if isinstance(commands, str):
-        return (f"unreadable reset record of {target.uuid}: its recorded commands: {commands}; "
-                "nothing was changed")  # fmt: skip
-    return step, target, commands
+    if "commands" in record:
+        commands = commands_from_record(record["commands"], target)
+        if isinstance(commands, str):
+            return (f"unreadable reset record of {target.uuid}: its recorded commands: "
+                    f"{commands}; nothing was changed")  # fmt: skip
+        return step, target, commands
+    # A record from before the commands were recorded: today's policy's (none when it cannot
+    # build them; its after hooks still run).
+    rebuilt = prepare_commands(target, reset)
+    if isinstance(rebuilt, str):
+        rebuilt = Commands((), (), None, None, after=prepare_hooks(reset.after, target))
+    return step, target, rebuilt
 
 
 def resume_interrupted(
@@ -120,16 +112,14 @@ def resume_interrupted(
         Level.WARNING,
         gpu=target.uuid,
         step=step.value,
-        reset_started=proc.reset_started,
-        persistence_off=proc.persistence_off,
+        **fields_of(proc, ("reset_started", "persistence_off")),
     )
     if proc.persistence_off and commands.persistence_on is None:
         proc.notes.append("persistence mode could not be restored: the command cannot be built")
 
     if not proc.reset_started:
         reason = f"interrupted at step {step.value} before the reset command ran; undone"
-        proc.restore(ResetResult.REFUSED, reason)
-        return proc.finish(ResetResult.REFUSED, step, reason)
+        return proc.abort(step, reason)
 
     if target.recovery is not None and step is ResetStep.RESET and proc.result is None:
         return _resume_recovery(proc, target.recovery, as_int(record.get("commands_done")))
@@ -142,45 +132,22 @@ def resume_interrupted(
         or proc.result is None
         or (restoring and proc.result is ResetResult.SUCCESS)
     ):
-        return _check_after_reset(
-            proc, f"interrupted at step {step.value} after the reset command started"
-        )
+        interrupted = f"interrupted at step {step.value} after the reset command started"
+        return check_after_reset(proc, interrupted, resumed=True)
 
     reason = f"interrupted at step {step.value}; reset result was {proc.result}; finished"
     return proc.finish(proc.result, ResetStep.DONE, reason, undo=True)
 
 
 def _progress_from(proc: Procedure, record: Mapping[str, object]) -> None:
-    """The interrupted reset's progress as the record left it: whether persistence mode was
-    turned off, the monitors' units stopped, whether the reset command started, its result."""
-    if not proc.commands.reset:
-        proc.recorded = None  # none built: a crash now leaves the record to be read as today
+    """The interrupted reset's progress, as :meth:`Procedure.begin` recorded it."""
     proc.persistence_off = record.get("persistence_off") is True
-    units = record.get("units_stopped")
-    if isinstance(units, list):  # the monitors' units stop_monitors stopped: started again
-        proc.units_stopped = [u for u in units if isinstance(u, str) and UNIT_NAME.fullmatch(u)]
+    units = as_list(record.get("units_stopped"))  # the monitors' units: started again
+    proc.units_stopped = [u for u in units if isinstance(u, str) and UNIT_NAME.fullmatch(u)]
     proc.reset_started = record.get("reset_started") is True
-    result = record.get("result")
     # An unknown recorded result is no result: the GPU is checked again below.
-    known = isinstance(result, str) and result in {r.value for r in ResetResult}
-    proc.result = ResetResult(result) if known else None
-
-
-def _check_after_reset(proc: Procedure, interrupted: str) -> ResetOutcome:
-    """A reset interrupted after its command started: the GPU's health checked, then undone
-    as after any reset; ``success`` only when it is healthy and its memory is back."""
-    healthy, memory = True, None
-    if not proc.commands.health:
-        detail = "the health check command cannot be built; GPU state unknown"
-    else:
-        healthy, memory, detail = proc.health_check()
-    result = ResetResult.SUCCESS if healthy and memory is True else ResetResult.FAILED
-    reason = f"{interrupted}; {detail}"
-    if result is ResetResult.SUCCESS and proc.target.fabric:
-        completed, fabric_detail = wait_for_fabric(proc)
-        reason = f"{reason}; {fabric_detail}"
-        result = ResetResult.SUCCESS if completed else ResetResult.FAILED
-    return proc.finish(result, ResetStep.DONE, reason, needs_reboot=not healthy, undo=True)
+    result = as_one_of(*ResetResult)(record.get("result"))
+    proc.result = None if result is None else ResetResult(result)
 
 
 def _resume_recovery(proc: Procedure, recovery: InstanceRecovery, done: int | None) -> ResetOutcome:
@@ -202,8 +169,7 @@ def _resume_recovery(proc: Procedure, recovery: InstanceRecovery, done: int | No
         changed = instance_changed(recovery, gpu)
         if changed is None and not done:
             reason = f"{interrupted}; the instance is as planned: none took effect; undone"
-            proc.restore(ResetResult.REFUSED, reason)
-            return proc.finish(ResetResult.REFUSED, ResetStep.RESET, reason)
+            return proc.abort(ResetStep.RESET, reason)
         if changed is None:
             point = f"the instance is still listed as planned after {done} command(s)"
         elif not commands:
@@ -218,16 +184,11 @@ def _resume_recovery(proc: Procedure, recovery: InstanceRecovery, done: int | No
         if not proc.begin(ResetStep.RESET):
             reason = half_done(recovery, ran, UNRECORDED)
             return proc.finish(ResetResult.FAILED, ResetStep.DONE, reason, undo=True)
-        command, result, needs_reboot, why = run_recovery(proc, point, resumed=True)
+        command, result, reboot, why = run_recovery(proc, point, resumed=True)
         if result is not ResetResult.SUCCESS:
             reason = f"{interrupted}; {why}"
             return proc.finish(
-                result,
-                ResetStep.RESET,
-                reason,
-                needs_reboot=needs_reboot,
-                command=command,
-                undo=True,
+                result, ResetStep.RESET, reason, needs_reboot=reboot, command=command, undo=True
             )
     went_on = f"went on at command {point + 1}" if point < total else "re-created already"
-    return _check_after_reset(proc, f"{interrupted}; {went_on}")
+    return check_after_reset(proc, f"{interrupted}; {went_on}", resumed=True)

@@ -45,11 +45,6 @@ class ResetTarget:
 # --- the commands, worked out once ------------------------------------------------------------
 
 Argv = tuple[str, ...]
-# A recorded reset's commands are read back from the state file as hostile input, within these
-# bounds (a policy whose filled-in commands exceed them is refused before the first step).
-MAX_RECORDED_COMMANDS = MAX_COMMANDS  # commands, or hooks, in one list
-MAX_RECORDED_ARGS = MAX_ARGS  # arguments of one command
-MAX_RECORDED_CHARS = MAX_FILLED_CHARS  # characters of one filled argument
 _HOOK_STEPS = ("drain", "before", "after")
 
 
@@ -100,7 +95,7 @@ def prepare_hooks(hooks: Sequence[Hook], target: ResetTarget) -> tuple[PreparedH
     """``hooks`` filled in for ``target`` (each that cannot be says why, within the record's
     bound, and will fail)."""
     return tuple(
-        replace(hook, error=hook.error[:MAX_RECORDED_CHARS]) if hook.error else hook
+        replace(hook, error=hook.error[:MAX_FILLED_CHARS]) if hook.error else hook
         for hook in fill_hooks(hooks, _values(target))
     )
 
@@ -121,14 +116,11 @@ def prepare_commands(target: ResetTarget, policy: ResetPolicy) -> Commands | str
             format_argv(policy.persistence_command, mode="0", **values),
             format_argv(policy.persistence_command, mode="1", **values),
             layout_argvs(target.layout, policy.mig_recovery_commands),
-            prepare_hooks(policy.drain, target),
-            prepare_hooks(policy.before, target),
-            prepare_hooks(policy.after, target),
+            *(prepare_hooks(h, target) for h in (policy.drain, policy.before, policy.after)),
         )
     except ValueError as err:
         return f"cannot build the {key} for {target.uuid}: {err}"
-    unsafe = _unsafe(commands, target)
-    if unsafe is not None:
+    if (unsafe := _unsafe(commands, target)) is not None:
         return unsafe
     # What is recorded must read back: the record's bounds hold for these commands too.
     read = commands_from_record(commands.record(), target)
@@ -155,7 +147,7 @@ def _unsafe(commands: Commands, target: ResetTarget) -> str | None:
 
 def commands_from_record(raw: object, target: ResetTarget) -> Commands | str:
     """The ``commands`` of a progress record, read strictly (hostile input: exactly the keys
-    :meth:`Commands.record` writes, within the ``MAX_RECORDED_*`` bounds, naming ``target``'s
+    :meth:`Commands.record` writes, within decide/argv's ``MAX_*`` bounds, naming ``target``'s
     GPU), or what is wrong."""
     if not isinstance(raw, Mapping) or set(raw) != {*_HOOK_STEPS, *_COMMAND_KEYS}:
         return "not an object with the keys " + ", ".join(sorted({*_HOOK_STEPS, *_COMMAND_KEYS}))
@@ -177,20 +169,20 @@ _COMMAND_KEYS = ("reset", "health", "persistence_off", "persistence_on", "restor
 
 
 def _argv(raw: object, where: str) -> Argv:
-    if not isinstance(raw, list) or not raw or len(raw) > MAX_RECORDED_ARGS:
-        raise ValueError(f"{where}: not a command of 1 to {MAX_RECORDED_ARGS} arguments")
+    if not isinstance(raw, list) or not raw or len(raw) > MAX_ARGS:
+        raise ValueError(f"{where}: not a command of 1 to {MAX_ARGS} arguments")
     for arg in raw:
-        if not isinstance(arg, str) or len(arg) > MAX_RECORDED_CHARS or "\0" in arg:
+        if not isinstance(arg, str) or len(arg) > MAX_FILLED_CHARS or "\0" in arg:
             raise ValueError(f"{where}: an argument is not a string of at most "
-                             f"{MAX_RECORDED_CHARS} characters without NUL")  # fmt: skip
+                             f"{MAX_FILLED_CHARS} characters without NUL")  # fmt: skip
     if not raw[0]:
         raise ValueError(f"{where}: the program is empty")
     return tuple(raw)
 
 
 def _list(raw: object, where: str) -> list[object]:
-    if not isinstance(raw, list) or len(raw) > MAX_RECORDED_COMMANDS:
-        raise ValueError(f"{where}: not a list of at most {MAX_RECORDED_COMMANDS} entries")
+    if not isinstance(raw, list) or len(raw) > MAX_COMMANDS:
+        raise ValueError(f"{where}: not a list of at most {MAX_COMMANDS} entries")
     return raw
 
 
@@ -212,9 +204,9 @@ def _hooks(raw: object, where: str) -> tuple[PreparedHook, ...]:
                 f"{at}: the timeout is not a number of seconds in (0, {MAX_HOOK_TIMEOUT:g}]"
             )
         if error is not None and (
-            not isinstance(error, str) or not error or len(error) > MAX_RECORDED_CHARS
+            not isinstance(error, str) or not error or len(error) > MAX_FILLED_CHARS
         ):
-            raise ValueError(f"{at}: the error is not a text of 1 to {MAX_RECORDED_CHARS} chars")
+            raise ValueError(f"{at}: the error is not a text of 1 to {MAX_FILLED_CHARS} chars")
         hooks.append(PreparedHook(_argv(item["argv"], at), timeout, error))
     return tuple(hooks)
 
@@ -235,6 +227,7 @@ _EXIT_MEANINGS = {
     13: "function not implemented",
     14: "GPU infoROM corrupted",
     15: "GPU has fallen off the bus or is inaccessible",
+    255: "nvidia-smi reported an error",  # unless it says the GPU is in use
 }
 _IN_USE_MARKERS = ("in use by another client", "currently in use", "being used by")
 IN_USE_REASON = (
@@ -285,8 +278,6 @@ def interpret_reset_exit(result: CommandResult) -> tuple[ResetResult, bool, str]
         return ResetResult.FAILED, True, reason
     if code == 255 and says_in_use(result):
         return ResetResult.IN_USE, False, IN_USE_REASON + output
-    if code == 255:
-        return ResetResult.FAILED, False, "exit 255: nvidia-smi reported an error" + output
     meaning = _EXIT_MEANINGS.get(code, "unexpected exit code")
     return ResetResult.FAILED, False, f"exit {code}: {meaning}" + output
 
@@ -387,8 +378,7 @@ def outcome_event(
     outcome: ResetOutcome, *, gpu: str, pci_bus_id: str | None, dry_run: bool
 ) -> tuple[Level, dict[str, object]]:
     """The level and fields of ``EventName.RESET_OUTCOME`` (the daemon's and simulate's)."""
-    result = ResetResult(outcome.result)
-    level = Level.CRITICAL if outcome.needs_reboot else RESET_RESULT_LEVELS[result]
+    level = Level.CRITICAL if outcome.needs_reboot else RESET_RESULT_LEVELS[outcome.result]
     return level, {
         "gpu": gpu,
         "pci_bus_id": pci_bus_id,

@@ -92,14 +92,12 @@ class Signaller:
             # Our pidfd says it has exited. The PID may already be reused, so /proc is only
             # consulted to tell a zombie from a reaped process.
             self.forget(identity)
-            current = stat_start_ticks(self._proc_root, pid)
-            if current is not None and current[0] == identity.start_ticks and current[1] == "Z":
+            if stat_start_ticks(self._proc_root, pid) == (identity.start_ticks, "Z"):
                 return SignalResult(SignalOutcome.ZOMBIE, _zombie_detail(pid), "Z")
             return SignalResult(SignalOutcome.GONE, f"PID {pid} has exited")
 
-        if kept is not None:
-            pidfd = kept
-        else:
+        pidfd = kept
+        if pidfd is None:
             try:
                 pidfd = pidfd_open(pid)
             except OSError as err:
@@ -141,10 +139,7 @@ class Signaller:
         deadline = time.monotonic() + max(timeout, 0.0)
         while True:
             remaining = deadline - time.monotonic()
-            try:
-                events = poller.poll(max(0, int(remaining * 1000 + 0.999)))
-            except InterruptedError:  # pragma: no cover - PEP 475 retries poll itself
-                events = []
+            events = poller.poll(max(0, int(remaining * 1000 + 0.999)))  # PEP 475: no EINTR
             if events or remaining <= 0:
                 break
         exited = [by_fd[fd] for fd, _mask in events if fd in by_fd]

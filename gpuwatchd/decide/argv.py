@@ -126,11 +126,9 @@ class ArgvError(ValueError):
 
 
 def placeholders_in(arg: str, allowed: Sequence[str] = ARGV_PLACEHOLDERS) -> list[str]:
-    """The placeholder names in ``arg``, in order. ``{{``/``}}`` are literal braces.
-
-    Raises :class:`ArgvError` for unbalanced braces, a name not in ``allowed``, or a format spec
-    or conversion (``{uuid:>5}``, ``{uuid!r}``).
-    """
+    """The placeholder names in ``arg``, in order (``{{``/``}}``: literal braces). Raises
+    :class:`ArgvError` for unbalanced braces, a name not in ``allowed``, or a format spec or
+    conversion (``{uuid:>5}``, ``{uuid!r}``)."""
     try:
         parsed = list(string.Formatter().parse(arg))
     except ValueError as err:
@@ -168,17 +166,13 @@ def format_argv(template: Sequence[str], **values: str | None) -> tuple[str, ...
             raise ValueError(f"unknown placeholder value {given!r}")
     result = []
     for arg in template:
-        placeholders_in(arg)  # the checks and messages of the config reader
-        pieces: list[str] = []
-        for literal, name, _spec, _conversion in string.Formatter().parse(arg):
-            pieces.append(literal)
-            if name is None:
-                continue
+        filled: dict[str, str] = {}
+        for name in placeholders_in(arg):  # the checks and messages of the config reader
             value = values.get(name)
             if value is None:
                 raise ValueError(f"no value for {{{name}}} in {arg!r}")
-            pieces.append(check_value(name, value))
-        result.append("".join(pieces))
+            filled[name] = check_value(name, value)
+        result.append(arg.format_map(filled))  # plain names only: placeholders_in checked
     return tuple(result)
 
 
@@ -196,11 +190,8 @@ def hook_value(value: object) -> str:
 def hook_environment(event: str, **fields: object) -> dict[str, str]:
     """``GPUWATCHD_EVENT=event`` plus ``GPUWATCHD_<FIELD>`` for each field that is not None,
     each value made safe by :func:`hook_value`."""
-    env = {"GPUWATCHD_EVENT": hook_value(event)}
-    for name, value in fields.items():
-        if value is not None:
-            env[f"GPUWATCHD_{name.upper()}"] = hook_value(value)
-    return env
+    named = {"event": event, **fields}
+    return {f"GPUWATCHD_{k.upper()}": hook_value(v) for k, v in named.items() if v is not None}
 
 
 # --- checking a command when the policy is read -------------------------------------------------

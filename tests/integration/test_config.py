@@ -11,9 +11,6 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.act.reset_target import (
-    MAX_RECORDED_ARGS,
-    MAX_RECORDED_CHARS,
-    MAX_RECORDED_COMMANDS,
     Commands,
     ResetTarget,
     prepare_commands,
@@ -30,6 +27,9 @@ from gpuwatchd.config.schema import (
 from gpuwatchd.config.units import format_duration, format_size, parse_duration, parse_size
 from gpuwatchd.config.yamlsrc import ConfigError
 from gpuwatchd.core.model import MIB, FindingKind
+from gpuwatchd.decide.argv import MAX_ARGS as MAX_RECORDED_ARGS
+from gpuwatchd.decide.argv import MAX_COMMANDS as MAX_RECORDED_COMMANDS
+from gpuwatchd.decide.argv import MAX_FILLED_CHARS as MAX_RECORDED_CHARS
 from gpuwatchd.decide.policy import Hook, Policy, Step
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,13 +15,11 @@ import pytest
 
 from gpuwatchd.act.reset import perform_reset
 from gpuwatchd.act.reset_resume import resume_interrupted
-from gpuwatchd.act.reset_target import (
-    MAX_RECORDED_ARGS,
-    MAX_RECORDED_CHARS,
-    MAX_RECORDED_COMMANDS,
-    ResetTarget,
-)
+from gpuwatchd.act.reset_target import ResetTarget
 from gpuwatchd.core.vocabulary import ResetStep
+from gpuwatchd.decide.argv import MAX_ARGS as MAX_RECORDED_ARGS
+from gpuwatchd.decide.argv import MAX_COMMANDS as MAX_RECORDED_COMMANDS
+from gpuwatchd.decide.argv import MAX_FILLED_CHARS as MAX_RECORDED_CHARS
 from gpuwatchd.decide.policy import Hook
 from tests.support.fakesmi import FakeSmi
 from tests.support.resetrig import FakeEnvironment, make_policy, resume_fails_untouched

@@ -122,6 +122,10 @@ def test_a_refused_shell_is_named_where_it_stands(argv: list[str], message: str)
             "{pci_bus_id} alone",
         ),
         (["nvidia-smi", "-r", "-i", "0,abc"], False, "'-i 0,abc' selects a GPU by index"),
+        # nvidia-smi's other spellings of the option, each named as written
+        (["nvidia-smi", "-r", "--id=0"], False, "'--id=0' selects a GPU by index"),
+        (["nvidia-smi", "-r", "-i=1"], False, "'-i=1' selects a GPU by index"),
+        (["nvidia-smi", "-r", "-i2"], False, "'-i2' selects a GPU by index"),
         (["nvidia-smi", "-r", "-i"], True, "'-i' has no value: it must name the GPU"),
     ],
 )

@@ -9,6 +9,7 @@ import errno
 import functools
 import os
 import re
+from collections.abc import Iterator
 
 from gpuwatchd.core.escape import unescape_mount_path
 from gpuwatchd.core.model import CgroupInfo
@@ -126,31 +127,28 @@ def parse_cgroup(text: str) -> CgroupInfo | None:
     return classify_cgroup_path(entries[0][2])
 
 
-def parse_cgroup2_mount(mountinfo: str) -> str | None:
-    """Where ``/proc/PID/mountinfo`` text says the unified (v2) hierarchy is mounted (the file
-    system type follows `` - ``, the mount point is field 5); None without one. Pure."""
+def _mounts(mountinfo: str) -> Iterator[tuple[list[str], str]]:
+    """Each ``/proc/PID/mountinfo`` line's fields after `` - `` (the file system type first)
+    and its mount point (field 5), unescaped. Pure."""
     for line in kernel_lines(mountinfo):
         left, separator, right = line.partition(" - ")
-        if not separator or right.split(" ", 1)[0] != "cgroup2":
-            continue
         fields = left.split(" ")
-        if len(fields) >= 5:
-            return unescape_mount_path(fields[4])
-    return None
+        if separator and len(fields) >= 5:
+            yield right.split(" "), unescape_mount_path(fields[4])
+
+
+def parse_cgroup2_mount(mountinfo: str) -> str | None:
+    """Where mountinfo text says the unified (v2) hierarchy is mounted; None without one."""
+    return next((point for after, point in _mounts(mountinfo) if after[0] == "cgroup2"), None)
 
 
 def parse_systemd_mount(mountinfo: str) -> str | None:
-    """Where systemd keeps its cgroup tree according to ``/proc/PID/mountinfo`` text: the v1
-    ``name=systemd`` hierarchy where mounted (legacy and hybrid set-ups keep the extended
-    attributes there), else the unified one; None without either. Pure."""
-    for line in kernel_lines(mountinfo):
-        left, separator, right = line.partition(" - ")
-        after = right.split(" ")
-        if not separator or after[0] != "cgroup" or len(after) < 3:
-            continue
-        fields = left.split(" ")
-        if "name=systemd" in after[2].split(",") and len(fields) >= 5:
-            return unescape_mount_path(fields[4])
+    """Where systemd keeps its cgroup tree according to mountinfo text: the v1 ``name=systemd``
+    hierarchy where mounted (legacy and hybrid set-ups keep the extended attributes there),
+    else the unified one; None without either. Pure."""
+    for after, point in _mounts(mountinfo):
+        if after[0] == "cgroup" and len(after) >= 3 and "name=systemd" in after[2].split(","):
+            return point
     return parse_cgroup2_mount(mountinfo)
 
 

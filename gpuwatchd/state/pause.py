@@ -153,9 +153,7 @@ def poll_pause(state_dir: StateDir, clock: BootTime, *, max_pause: float) -> Pau
         if own is not None and own > now.until - clock.wall + 1.0:  # cut: into its file
             end = clock.stamp(now.until - clock.wall)
             body = {**(switch.stamp or {}), "until": end["until"], "until_boot": end["until_boot"]}
-            with contextlib.suppress(OSError):  # not written: cut again at the next poll
-                if state_dir.read(PAUSE_FILE, MAX_PAUSE_FILE) == switch.raw:  # not a new one
-                    state_dir.write(PAUSE_FILE, PAUSE.encode(body))
+            state_dir.rewrite(PAUSE_FILE, switch.raw, PAUSE.encode(body), MAX_PAUSE_FILE)
     return now
 
 

@@ -106,11 +106,8 @@ def parse_cgroup(text: str) -> CgroupInfo | None:
     """Parse ``/proc/PID/cgroup`` (v1, v2 or hybrid) into the path that names the job: the first
     naming a Slurm job or container (v1 Slurm lives only in some controllers), else the
     unified ``0::`` line, else ``name=systemd``, else the first; None when no line parses. Pure."""
-    entries: list[tuple[str, str, str]] = []
-    for line in kernel_lines(text):
-        fields = line.split(":", 2)
-        if len(fields) == 3 and fields[2].startswith("/"):
-            entries.append((fields[0], fields[1], fields[2]))
+    lines = (line.split(":", 2) for line in kernel_lines(text))
+    entries = [(f[0], f[1], f[2]) for f in lines if len(f) == 3 and f[2].startswith("/")]
     if not entries:
         return None
     for _, _, path in entries:
@@ -118,13 +115,9 @@ def parse_cgroup(text: str) -> CgroupInfo | None:
             info = classify_cgroup_path(path)
             if info.slurm_job is not None or info.container_id is not None or info.pod_uid:
                 return info
-    for hierarchy, controllers, path in entries:
-        if hierarchy == "0" and controllers == "":
-            return classify_cgroup_path(path)
-    for _, controllers, path in entries:
-        if controllers == "name=systemd":
-            return classify_cgroup_path(path)
-    return classify_cgroup_path(entries[0][2])
+    preferred = [path for hierarchy, ctl, path in entries if (hierarchy, ctl) == ("0", "")]
+    preferred += [path for _, ctl, path in entries if ctl == "name=systemd"]
+    return classify_cgroup_path((preferred or [entries[0][2]])[0])
 
 
 def _mounts(mountinfo: str) -> Iterator[tuple[list[str], str]]:

@@ -9,6 +9,7 @@ import errno
 import functools
 import os
 import re
+from collections.abc import Iterator
 
 from gpuwatchd.core.escape import unescape_mount_path
 from gpuwatchd.core.model import CgroupInfo
@@ -105,11 +106,8 @@ def parse_cgroup(text: str) -> CgroupInfo | None:
     """Parse ``/proc/PID/cgroup`` (v1, v2 or hybrid) into the path that names the job: the first
     naming a Slurm job or container (v1 Slurm lives only in some controllers), else the
     unified ``0::`` line, else ``name=systemd``, else the first; None when no line parses. Pure."""
-    entries: list[tuple[str, str, str]] = []
-    for line in kernel_lines(text):
-        fields = line.split(":", 2)
-        if len(fields) == 3 and fields[2].startswith("/"):
-            entries.append((fields[0], fields[1], fields[2]))
+    lines = (line.split(":", 2) for line in kernel_lines(text))
+    entries = [(f[0], f[1], f[2]) for f in lines if len(f) == 3 and f[2].startswith("/")]
     if not entries:
         return None
     for _, _, path in entries:
@@ -117,40 +115,33 @@ def parse_cgroup(text: str) -> CgroupInfo | None:
             info = classify_cgroup_path(path)
             if info.slurm_job is not None or info.container_id is not None or info.pod_uid:
                 return info
-    for hierarchy, controllers, path in entries:
-        if hierarchy == "0" and controllers == "":
-            return classify_cgroup_path(path)
-    for _, controllers, path in entries:
-        if controllers == "name=systemd":
-            return classify_cgroup_path(path)
-    return classify_cgroup_path(entries[0][2])
+    preferred = [path for hierarchy, ctl, path in entries if (hierarchy, ctl) == ("0", "")]
+    preferred += [path for _, ctl, path in entries if ctl == "name=systemd"]
+    return classify_cgroup_path((preferred or [entries[0][2]])[0])
+
+
+def _mounts(mountinfo: str) -> Iterator[tuple[list[str], str]]:
+    """Each ``/proc/PID/mountinfo`` line's fields after `` - `` (the file system type first)
+    and its mount point (field 5), unescaped. Pure."""
+    for line in kernel_lines(mountinfo):
+        left, separator, right = line.partition(" - ")
+        fields = left.split(" ")
+        if separator and len(fields) >= 5:
+            yield right.split(" "), unescape_mount_path(fields[4])
 
 
 def parse_cgroup2_mount(mountinfo: str) -> str | None:
-    """Where ``/proc/PID/mountinfo`` text says the unified (v2) hierarchy is mounted (the file
-    system type follows `` - ``, the mount point is field 5); None without one. Pure."""
-    for line in kernel_lines(mountinfo):
-        left, separator, right = line.partition(" - ")
-        if not separator or right.split(" ", 1)[0] != "cgroup2":
-            continue
-        fields = left.split(" ")
-        if len(fields) >= 5:
-            return unescape_mount_path(fields[4])
-    return None
+    """Where mountinfo text says the unified (v2) hierarchy is mounted; None without one."""
+    return next((point for after, point in _mounts(mountinfo) if after[0] == "cgroup2"), None)
 
 
 def parse_systemd_mount(mountinfo: str) -> str | None:
-    """Where systemd keeps its cgroup tree according to ``/proc/PID/mountinfo`` text: the v1
-    ``name=systemd`` hierarchy where mounted (legacy and hybrid set-ups keep the extended
-    attributes there), else the unified one; None without either. Pure."""
-    for line in kernel_lines(mountinfo):
-        left, separator, right = line.partition(" - ")
-        after = right.split(" ")
-        if not separator or after[0] != "cgroup" or len(after) < 3:
-            continue
-        fields = left.split(" ")
-        if "name=systemd" in after[2].split(",") and len(fields) >= 5:
-            return unescape_mount_path(fields[4])
+    """Where systemd keeps its cgroup tree according to mountinfo text: the v1 ``name=systemd``
+    hierarchy where mounted (legacy and hybrid set-ups keep the extended attributes there),
+    else the unified one; None without either. Pure."""
+    for after, point in _mounts(mountinfo):
+        if after[0] == "cgroup" and len(after) >= 3 and "name=systemd" in after[2].split(","):
+            return point
     return parse_cgroup2_mount(mountinfo)
 
 

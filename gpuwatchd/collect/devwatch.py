@@ -143,8 +143,7 @@ class DeviceWatch:
 
     def _watch_present(self, created: Collection[str] = ()) -> int:
         """Watch every device file in the folder not watched yet, and those ``created`` anew
-        (a file replaced while the old one is held open keeps its old watch until it is
-        closed: its name alone does not say the new file is watched); how many were added."""
+        (a replaced file's name alone does not say it is watched); how many were added."""
         self._stale = False
         if self._folder_wd is None:
             self._folder_wd = self._add_folder(self.devices_dir)

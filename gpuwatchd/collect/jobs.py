@@ -89,9 +89,8 @@ class JobEvidence:
 
 
 def trusted_job_dir(cgroup_root: str, job_dir: str) -> bool:
-    """Whether ``job_dir`` (a cgroup path) is where the scheduler, as root, made it: no user's
-    delegated subtree on the way, every directory down to it root's, writable by neither group
-    nor others, and no symlink."""
+    """Whether ``job_dir`` (a cgroup path) is where the scheduler, as root, made it (the rule:
+    docs/internals.md, `gpuwatchd.collect.jobs`); no symlink on the way either."""
     parts = [p for p in job_dir.split("/") if p]
     if not parts or any(_DELEGATED.fullmatch(p) for p in parts):
         return False

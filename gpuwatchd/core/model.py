@@ -141,14 +141,8 @@ class ProcessInfo:
     @cached_property
     def names(self) -> frozenset[str]:
         """Every name the process goes by: comm, the executable's and argv[0]'s basenames."""
-        found: set[str] = set()
-        if self.comm:
-            found.add(self.comm)
-        if self.exe:
-            found.add(self.exe.rsplit("/", 1)[-1].removesuffix(" (deleted)"))
-        if self.cmdline:
-            found.add(self.cmdline[0].rsplit("/", 1)[-1])
-        return frozenset(found)
+        argv0 = self.cmdline[0].rsplit("/", 1)[-1] if self.cmdline else None
+        return frozenset(name for name in (self.comm, self.exe_name, argv0) if name)
 
 
 # --- device holders ---------------------------------------------------------------------------

@@ -222,6 +222,13 @@ class StateDir:
         False for a file only other processes read while this one runs."""
         replace_file(self.fd, name, data, mode=mode, sync=sync)
 
+    def rewrite(self, name: str, raw: bytes, data: bytes, limit: int) -> None:
+        """Replace ``name`` with ``data`` unless it changed since it was read (``limit`` bytes)
+        as ``raw`` (a new file is the administrator's); on OSError (a full disk) not written."""
+        with contextlib.suppress(OSError):
+            if self.read(name, limit) == raw:
+                self.write(name, data)
+
     def remove(self, name: str) -> bool:
         """Remove the entry ``name`` (not a directory); False when it was not removed."""
         try:

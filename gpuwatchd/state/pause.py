@@ -43,15 +43,6 @@ class PauseSwitch:
     stamp: Mapping[str, object] | None = None
     raw: bytes = b""
 
-    def left(self, clock: BootTime, max_pause: float) -> float | None:
-        """Seconds this pause has left at ``clock``: by its own end, else (a pause from before
-        pauses had one) ``max_pause`` after it was set; never more than ``max_pause`` from now
-        (docs/internals.md). None when neither its end nor its start is known."""
-        left = None if self.stamp is None else clock.left(self.stamp)
-        if left is None and self.since is not None:
-            left = self.since + max_pause - clock.wall
-        return None if left is None else min(left, max_pause)
-
 
 def set_pause(
     state_dir: StateDir,
@@ -127,9 +118,14 @@ def pause_in_force(state_dir: StateDir, clock: BootTime, *, max_pause: float) ->
 def _in_force(switch: PauseSwitch | None, clock: BootTime, max_pause: float) -> Pause:
     if switch is None:
         return Pause(None)
-    left = switch.left(clock, max_pause)
+    # Its own end, else (a pause from before pauses had one) ``max_pause`` after it was set;
+    # never more than ``max_pause`` from now (docs/internals.md). None: neither is known.
+    left = None if switch.stamp is None else clock.left(switch.stamp)
+    if left is None and switch.since is not None:
+        left = switch.since + max_pause - clock.wall
     if left is None:
         return Pause(switch.reason)
+    left = min(left, max_pause)
     if left <= 0:
         return Pause(None, resumed="the pause ended by itself (its time was up)")
     ends = clock.wall + left
@@ -153,9 +149,7 @@ def poll_pause(state_dir: StateDir, clock: BootTime, *, max_pause: float) -> Pau
         if own is not None and own > now.until - clock.wall + 1.0:  # cut: into its file
             end = clock.stamp(now.until - clock.wall)
             body = {**(switch.stamp or {}), "until": end["until"], "until_boot": end["until_boot"]}
-            with contextlib.suppress(OSError):  # not written: cut again at the next poll
-                if state_dir.read(PAUSE_FILE, MAX_PAUSE_FILE) == switch.raw:  # not a new one
-                    state_dir.write(PAUSE_FILE, PAUSE.encode(body))
+            state_dir.rewrite(PAUSE_FILE, switch.raw, PAUSE.encode(body), MAX_PAUSE_FILE)
     return now
 
 

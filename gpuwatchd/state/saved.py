@@ -60,15 +60,13 @@ class SavedState:
 def read_saved_state(state_dir: str | StateDir) -> SavedState:
     """``<state_dir>/state.json``, read only: nothing is created, the lock and the folder are not
     touched, a corrupt file is left where it is for the daemon. Never raises."""
-    path = os.path.join(
-        state_dir.path if isinstance(state_dir, StateDir) else state_dir, STATE_FILE
-    )
+    path = os.path.join(state_dir if isinstance(state_dir, str) else state_dir.path, STATE_FILE)
     try:
-        if isinstance(state_dir, StateDir):
-            raw = state_dir.read(STATE_FILE, MAX_STATE_BYTES + 1)
-        else:
+        if isinstance(state_dir, str):
             with StateDir.open(state_dir) as directory:
                 raw = directory.read(STATE_FILE, MAX_STATE_BYTES + 1)
+        else:
+            raw = state_dir.read(STATE_FILE, MAX_STATE_BYTES + 1)
     except FileNotFoundError:
         return SavedState()
     except StateDirError as exc:

@@ -135,19 +135,6 @@ def _spare(data: Mapping[str, Any], name: str, clock: BootTime) -> tuple[Spare, 
     return spare, left
 
 
-def _cut(
-    state_dir: StateDir, name: str, raw: bytes, data: dict[str, object], *, end: dict[str, object]
-) -> None:
-    """Write a spare's cut ``end`` (a :meth:`BootTime.stamp`) into its file, unless it changed
-    since it was read as ``raw`` (a new spare is the administrator's, never overwritten)."""
-    body = {**data, "until": end["until"], "until_boot": end["until_boot"]}
-    try:
-        if state_dir.read(name, MAX_SPARE_FILE) == raw:
-            state_dir.write(name, SPARE.encode(body))
-    except OSError:
-        pass  # not written (a full disk, say): cut again, and said again, at the next poll
-
-
 def read_spares(
     state_dir: StateDir,
     clock: BootTime,
@@ -179,7 +166,9 @@ def read_spares(
                     cut.append((replace(spare, until=clock.wall + max_spare), spare.until))
                     spare = cut[-1][0]
                     if remove_stale:
-                        _cut(state_dir, name, raw, data, end=clock.stamp(max_spare))
+                        end = clock.stamp(max_spare)
+                        body = {**data, "until": end["until"], "until_boot": end["until_boot"]}
+                        state_dir.rewrite(name, raw, SPARE.encode(body), MAX_SPARE_FILE)
                 found.append(spare)
                 continue
         if remove_stale:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import TypeVar, cast
 
-from gpuwatchd.core.checked import number, obj, opt_number, pairs, text
+from gpuwatchd.core.checked import items, number, obj, opt_number, pairs, text
 from gpuwatchd.decide.policy import Limits
 
 HOUR = 3600.0
@@ -56,9 +56,7 @@ class DryShadow:
         capped = data.get("capped")
         if capped is not None and not isinstance(capped, str):
             raise ValueError("plan.shadow.capped: expected a string or null")
-        forced = data.get("forced", [])
-        if not isinstance(forced, list) or len(forced) > MAX_ENTRIES:
-            raise ValueError("plan.shadow.forced: expected a list")
+        forced = items(data.get("forced", []), "plan.shadow.forced", MAX_ENTRIES)
         if not all(isinstance(t, str) for t in forced):
             raise ValueError("plan.shadow.forced: expected strings")
         return cls(
@@ -66,7 +64,7 @@ class DryShadow:
             done=_entries(data, "done", number),
             signalled=pairs(data.get("signalled", []), "plan.shadow.signalled", MAX_ENTRIES),
             capped=capped,
-            forced=tuple(forced),
+            forced=tuple(cast(list[str], forced)),
             scopes=_entries(data, "scopes", text),
             capped_since=opt_number(data.get("capped_since"), "plan.shadow.capped_since"),
             latches=_entries(data, "latches", _latch),

@@ -546,8 +546,7 @@ def _text(value: Any, most: int = 256) -> str | None:
 
 
 def to_mig_devices(raw: Any) -> tuple[MigDevice, ...] | None:
-    """The worker's ``mig_devices`` list (at most :data:`MAX_MIG_DEVICES` objects) as
-    :class:`MigDevice` values, memory and processes read as a GPU's are; None when unknown."""
+    """The worker's ``mig_devices`` as :class:`MigDevice` values; None when unknown."""
     if not isinstance(raw, list):
         return None
     devices: list[MigDevice] = []

@@ -80,8 +80,7 @@ class GpuReader:
 
 
 def count_active_nvlinks(reader: GpuReader, handle: Any) -> int | None:
-    """How many NVLink links of this GPU are active (probed in order until InvalidArgument,
-    NotSupported or FunctionNotFound); 0 without NVLink; None when unknown."""
+    """How many NVLink links of this GPU are active; 0 without NVLink; None when unknown."""
     active = 0
     for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
         try:

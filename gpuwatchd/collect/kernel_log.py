@@ -119,9 +119,8 @@ def fold(
     to_wall: Callable[[int], float],
     started_usec: int,
 ) -> tuple[list[KernelXid], int]:
-    """One :class:`KernelXid` per (GPU, Xid, process, before start) run: the lines of one
-    flood become one record with a count. Returns the runs and how many lines were dropped
-    because there were more than :data:`MAX_RUNS_PER_POLL` distinct runs."""
+    """One :class:`KernelXid` with a count per (GPU, Xid, process, before start) run, and how
+    many lines were dropped past :data:`MAX_RUNS_PER_POLL` distinct runs."""
     runs: dict[tuple[str, int, int | None, str | None, bool], KernelXid] = {}
     dropped = 0
     for usec, line in records:

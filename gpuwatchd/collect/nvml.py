@@ -179,10 +179,8 @@ class NvmlClient:
         return frozenset(self._v1_logged)
 
     def prefetch(self) -> None:
-        """Start the worker and send it the next ``read`` request without waiting, so its start-up
-        overlaps a short command's own; :meth:`read` collects the reply (its deadline counted
-        from then). Nothing while a request is pending, a hung worker lives or a retry backs off;
-        a worker that cannot start is left to :meth:`read` to report."""
+        """Send the next ``read`` request without waiting, so the worker's start-up overlaps a
+        short command's own; :meth:`read` collects the reply and reports a failed start."""
         self._reap_hung()
         if self._pending or self._hung is not None or self._retry_at is not None:
             return
@@ -432,9 +430,8 @@ def _to_processes(processes: object) -> tuple[NvmlProcess, ...] | None:
 
 
 def decode_gpu(raw: object) -> GpuInfo:
-    """One GPU of a worker reply as a :class:`GpuInfo` (also the daemon's published reading's,
-    :mod:`gpuwatchd.served.nvml`). ValueError on an entry not of the worker's shape: a value
-    of another type, or a number NVML's C types cannot hold."""
+    """One GPU of a worker reply (or of :mod:`gpuwatchd.served.nvml`'s reading) as a
+    :class:`GpuInfo`; ValueError on an entry not of the worker's shape (docs/internals.md)."""
     raw = obj(raw, "gpu")
     return GpuInfo(
         index=_needed(raw, "index"),
@@ -549,8 +546,7 @@ def _text(value: Any, most: int = 256) -> str | None:
 
 
 def to_mig_devices(raw: Any) -> tuple[MigDevice, ...] | None:
-    """The worker's ``mig_devices`` list (at most :data:`MAX_MIG_DEVICES` objects) as
-    :class:`MigDevice` values, memory and processes read as a GPU's are; None when unknown."""
+    """The worker's ``mig_devices`` as :class:`MigDevice` values; None when unknown."""
     if not isinstance(raw, list):
         return None
     devices: list[MigDevice] = []

@@ -69,8 +69,7 @@ class GpuReader:
         self.errors: list[str] = []
 
     def query(self, name: str, *args: Any) -> Any:
-        """``pynvml.<name>(*args)``: NotSupported → None, GPU lost → GpuLostError, any other
-        error → None + error."""
+        """``pynvml.<name>(*args)``: NotSupported → None, any other error → None + error."""
         try:
             return getattr(pynvml, name)(*args)
         except pynvml.NVMLError_NotSupported:
@@ -81,8 +80,7 @@ class GpuReader:
 
 
 def count_active_nvlinks(reader: GpuReader, handle: Any) -> int | None:
-    """How many NVLink links of this GPU are active (probed in order until InvalidArgument,
-    NotSupported or FunctionNotFound); 0 without NVLink; None when unknown."""
+    """How many NVLink links of this GPU are active; 0 without NVLink; None when unknown."""
     active = 0
     for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
         try:
@@ -151,9 +149,7 @@ def read_recovery_action(handle: Any, errors: list[str]) -> dict[str, Any]:
 
 
 def read_fabric(handle: Any, errors: list[str], first: int) -> tuple[dict[str, Any], int]:
-    """The NVLink fabric of one GPU by ``nvmlDeviceGetGpuFabricInfoV`` with the struct of version
-    ``first`` (3 has the health summary; 2 after NVML_ERROR_ARGUMENT_VERSION_MISMATCH): the
-    entry, and the version to use next time."""
+    """One GPU's fabric entry from struct version ``first`` on, and the version to use next."""
     name = "nvmlDeviceGetGpuFabricInfoV"
     for version in (3, 2) if first == 3 else (2,):
         struct = getattr(pynvml, f"c_nvmlGpuFabricInfo_v{version}_t", None)
@@ -354,9 +350,8 @@ class Worker:
         self.events_status[index] = status
 
     def read_events(self, gpus: list[dict[str, Any]]) -> None:
-        """Take the queued Xid events (at most ``MAX_EVENTS_PER_READ``, never waiting) into
-        the GPUs' ``health`` entries. A recovery-action event only says to read the field again,
-        which this poll already did."""
+        """Take the queued Xid events into the GPUs' ``health`` entries. A recovery-action
+        event only says to read the field again, which this poll already did."""
         if self.event_set is None:
             return
         by_address = {handle_address(h): i for i, h in self.handles.items()}
@@ -398,9 +393,7 @@ def read_memory(
     v2: bool = True,
     on_v1: Callable[[str], None] = lambda reason: None,
 ) -> dict[str, Any] | None:
-    """A GPU's or MIG device's memory: v2 (allocated = total - free - reserved, None when the
-    driver's figures do not add up), else v1, whose "used" includes the reservation (allocated
-    unknown); ``on_v1`` hears why v2 was refused before v1 is read. None when unknown."""
+    """A GPU's or MIG device's memory, v2 else v1 (``on_v1`` hears why); None when unknown."""
     if v2:
         try:
             memory = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
@@ -453,8 +446,7 @@ def read_processes(reader: GpuReader, handle: Any) -> list[dict[str, Any]] | Non
 def list_processes(
     reader: GpuReader, handle: Any, base: str
 ) -> list[tuple[int, int | None]] | None:
-    """One process list through ``_v3``, then ``_v2`` where ``_v3`` is absent, as (PID, used
-    memory or None); None if unknown."""
+    """One process list as (PID, used memory or None); None if unknown."""
     for suffix, entry in (("_v3", ProcessInfoV3), ("_v2", ProcessInfoV2)):
         name = base + suffix
         try:
@@ -471,8 +463,7 @@ def list_processes(
 
 
 class ProcessInfoV2(ctypes.Structure):
-    """pynvml's ``c_nvmlProcessInfo_v2_t`` layout as a plain structure: its fields read in C,
-    not through pynvml's per-field Python hooks (most of the worker's poll at 64 processes)."""
+    """pynvml's ``c_nvmlProcessInfo_v2_t`` layout as a plain structure (docs/internals.md)."""
 
     _fields_ = pynvml.c_nvmlProcessInfo_v2_t._fields_
 
@@ -514,9 +505,8 @@ def running_processes(
 
 
 def read_mig_devices(reader: GpuReader, handle: Any) -> list[dict[str, Any]] | None:
-    """The MIG devices of a GPU with MIG on, by index (docs/internals.md); None when the list
-    cannot be read. Per-instance figures come only from MIG handles (the parent's are
-    aggregates). A missing index (NotFound) is a hole, not an error."""
+    """The MIG devices of a GPU with MIG on; None when the list cannot be read. Per-instance
+    figures come only from MIG handles (the parent's are aggregates)."""
     count = reader.query("nvmlDeviceGetMaxMigDeviceCount", handle)
     if count is None:
         return None

@@ -29,19 +29,12 @@ class NvmlAvailability:
         return {"state": self.state or "unknown", "since": self.since, "error": self.error}
 
 
-def state_of(reading: NvmlReading) -> str:
-    """One reading's state: ``unavailable``, ``wedged`` or ``ok``."""
-    if not reading.available:
-        return UNAVAILABLE
-    return WEDGED if reading.wedged else OK
-
-
 def next_availability(
     previous: NvmlAvailability, reading: NvmlReading, wall: float
 ) -> tuple[NvmlAvailability, list[tuple[str, Level, dict[str, object]]]]:
     """The state after ``reading`` (taken at wall time ``wall``), and the events of the
     transition: ``EventName.NVML_RECOVERED`` when NVML answers after being wedged or unavailable."""
-    state = state_of(reading)
+    state = UNAVAILABLE if not reading.available else WEDGED if reading.wedged else OK
     error = reading.error if state != OK else None
     if state == previous.state:
         return NvmlAvailability(state, previous.since, error or previous.error), []

@@ -491,8 +491,7 @@ def _finding(
 
 
 def drain_blockers(gpu: GpuInfo, snapshot: Snapshot, *, device_isolation: bool) -> list[str]:
-    """Live processes NVML lists that keep a health reset of ``gpu`` waiting (docs/internals.md);
-    a listed process is live unless ``/proc`` shows it gone or a zombie."""
+    """Live processes NVML lists that keep a health reset of ``gpu`` waiting (docs/internals.md)."""
     found: list[str] = []
     for other in sorted(snapshot.nvml.gpus, key=lambda g: g.index):
         same = other.uuid == gpu.uuid

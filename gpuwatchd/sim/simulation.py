@@ -402,9 +402,8 @@ class VirtualHost:
         reset = sim.policy.reset
         self.commands: dict[tuple[str, ...], tuple[str, WorldGpu]] = {}
         # A MIG GPU instance's recovery commands (docs/simulate.md): argv -> (its position,
-        # the last position, the GPU, the GPU instance id).
-        self.mig: dict[tuple[str, ...], tuple[int, int, WorldGpu, int]] = {}
-        last = len(reset.mig_recovery_commands) - 1
+        # the GPU, the GPU instance id); the last of them re-creates the instance.
+        self.mig: dict[tuple[str, ...], tuple[int, WorldGpu, int]] = {}
         for gpu in sim.world.gpus.values():
             spec = gpu.spec
             for instance in spec.mig_instances:
@@ -419,7 +418,7 @@ class VirtualHost:
                         argv = format_argv(template, **filled)
                     except ValueError:
                         continue  # perform_reset refuses before anything runs
-                    self.mig.setdefault(argv, (position, last, gpu, instance.gi))
+                    self.mig.setdefault(argv, (position, gpu, instance.gi))
             values = {"uuid": spec.uuid, "pci_bus_id": spec.pci_bus_id, "minor": str(spec.minor)}
             for what, template, mode in (
                 ("reset", reset.command, {}),
@@ -537,13 +536,13 @@ class VirtualHost:
 
     def mig_command(self, argv: tuple[str, ...]) -> CommandResult:
         """The driver's answer to one of a MIG GPU instance's recovery commands."""
-        position, last, gpu, gi = self.mig[argv]
+        position, gpu, gi = self.mig[argv]
         world = self.sim.world
         world.settle(self.sim.now)
         if world.instance_users(gpu, gi):
             said = f"Unable to destroy GPU instance ID {gi}: In use by another client"
             return CommandResult(argv, 255, said, False, 0.2, None)
-        if position == last:
+        if position == len(self.sim.policy.reset.mig_recovery_commands) - 1:
             world.recreate_instance(gpu, gi)
             said = f"Successfully created GPU instance ID {gi} on GPU {gpu.spec.index}"
             return CommandResult(argv, 0, said, False, 0.5, None)

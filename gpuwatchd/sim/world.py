@@ -204,7 +204,7 @@ class World:
         notes: list[str] = []
         proc.alive, proc.exited_at, proc.exit_why = False, at, why
         live = [c for c in self.contexts if c.pid == proc.pid and c.status == "live"]
-        heirs_by_gpu = {ctx.gpu: self._heirs(proc, ctx.gpu) for ctx in live}
+        heirs_of = [self._heirs(proc, ctx) for ctx in live]
         reaper = self._reaper(proc)
         for child in self.procs.values():
             if child.ppid == proc.pid and child.present and child is not proc:
@@ -216,10 +216,7 @@ class World:
         else:
             self.reap(proc)
         leak = proc.spec.on_exit == "leak" or proc.name in self.leak_on_exit
-        for ctx in live:
-            heirs = heirs_by_gpu[ctx.gpu]
-            if ctx.gi is not None:  # MIG: only holders of that instance's capabilities pin it
-                heirs = {pid for pid in heirs if self.procs[pid].spec.holds.mig == ctx.gi}
+        for ctx, heirs in zip(live, heirs_of, strict=True):
             if leak:
                 ctx.status = "leaked"
                 notes.append(f"its {size_text(ctx.size)} on GPU {ctx.gpu} stays allocated (leaked)")
@@ -256,15 +253,16 @@ class World:
                 return
             current = parent.ppid
 
-    def _heirs(self, owner: WorldProc, gpu: int) -> set[int]:
+    def _heirs(self, owner: WorldProc, ctx: _Context) -> set[int]:
         """Live processes that inherited ``owner``'s device files: its descendants or process
-        group members that hold the GPU, own no context there and not ``files: own``."""
-        minor = self.gpus[gpu].spec.minor
+        group members that hold the context's GPU (on a MIG GPU, its GPU instance's
+        capabilities), own no context there and not ``files: own``."""
+        minor = self.gpus[ctx.gpu].spec.minor
         found = set()
         for proc in self.procs.values():
             if proc is owner or not proc.alive or minor not in proc.minors:
                 continue
-            if proc.spec.files == "own":
+            if proc.spec.files == "own" or ctx.gi not in (None, proc.spec.holds.mig):
                 continue
             if any(c.pid == proc.pid and c.status == "live" for c in self.contexts):
                 continue

@@ -163,14 +163,12 @@ class World:
                 f"{self.scenario.path}:{spec.line}: pid {spec.pid} ({spec.name}) is still in use "
                 f"by {old.name} at +{at:g}s"
             )
-        minors = frozenset(self.gpus[i].spec.minor for i in spec.holds.gpus)
-        ticks = spec.pid * 100 if initial else next(self.ticks) + int(at * 100)
         proc = WorldProc(
             spec=spec,
-            start_ticks=ticks,
+            start_ticks=spec.pid * 100 if initial else next(self.ticks) + int(at * 100),
             ppid=spec.ppid,
             state=spec.state,
-            minors=minors,
+            minors=frozenset(self.gpus[i].spec.minor for i in spec.holds.gpus),
             ctl=spec.holds.ctl,
             uvm=spec.holds.uvm,
             alive=spec.state != "Z",
@@ -480,12 +478,6 @@ class World:
             gpu = self.gpus[index]
             spec = gpu.spec
             allocated = self.allocated(gpu)
-            memory = GpuMemory(
-                total=spec.total,
-                free=spec.total - spec.reserved - allocated,
-                reserved=spec.reserved,
-                allocated=allocated,
-            )
             infos.append(
                 GpuInfo(
                     index=index,
@@ -493,7 +485,12 @@ class World:
                     name=spec.name,
                     pci_bus_id=spec.pci_bus_id,
                     minor=spec.minor,
-                    memory=memory,
+                    memory=GpuMemory(
+                        total=spec.total,
+                        free=spec.total - spec.reserved - allocated,
+                        reserved=spec.reserved,
+                        allocated=allocated,
+                    ),
                     processes=self._listed(index),
                     mig_enabled=spec.mig,
                     persistence_mode=gpu.persistence,

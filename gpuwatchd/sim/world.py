@@ -143,7 +143,7 @@ class World:
             for g in scenario.gpus
         }
         self.by_minor = {g.spec.minor: g for g in self.gpus.values()}
-        self.procs: dict[int, WorldProc] = {}
+        self.procs: dict[int, WorldProc] = {}  # the process table: the present ones by PID
         self.history: list[WorldProc] = []
         self.contexts: list[_Context] = []
         self.leak_on_exit: set[str] = set()
@@ -157,8 +157,7 @@ class World:
     # -- processes --
 
     def start(self, spec: ProcessSpec, *, at: float, initial: bool = False) -> WorldProc:
-        old = self.procs.get(spec.pid)
-        if old is not None and old.present:
+        if (old := self.procs.get(spec.pid)) is not None:
             raise SimulationError(
                 f"{self.scenario.path}:{spec.line}: pid {spec.pid} ({spec.name}) is still in use "
                 f"by {old.name} at +{at:g}s"
@@ -205,7 +204,7 @@ class World:
         heirs_of = [self._heirs(proc, ctx) for ctx in live]
         reaper = self._reaper(proc)
         for child in self.procs.values():
-            if child.ppid == proc.pid and child.present and child is not proc:
+            if child.ppid == proc.pid and child is not proc:
                 child.ppid = reaper
         proc.minors, proc.ctl, proc.uvm = frozenset(), False, False
         if proc.spec.on_exit == "zombie":
@@ -292,7 +291,7 @@ class World:
         return [
             proc.name
             for proc in self.procs.values()
-            if proc.present and proc.spec.holds.mig == gi and gpu.spec.minor in proc.minors
+            if proc.spec.holds.mig == gi and gpu.spec.minor in proc.minors
         ]
 
     def recreate_instance(self, gpu: WorldGpu, gi: int) -> None:
@@ -521,15 +520,12 @@ class World:
 
     def absent_pids(self) -> frozenset[int]:
         """Session and process-group leaders of holders that are not in the process table."""
-        leaders = {
+        return frozenset(
             leader
             for proc in self.procs.values()
-            if proc.present and (proc.minors or proc.ctl or proc.uvm)
+            if proc.minors or proc.ctl or proc.uvm
             for leader in (proc.spec.sid, proc.spec.pgid)
-            if leader > 1 and leader != proc.pid
-        }
-        return frozenset(
-            pid for pid in leaders if pid not in self.procs or not self.procs[pid].present
+            if leader > 1 and leader not in self.procs
         )
 
     def snapshot(self, now: float) -> Snapshot:

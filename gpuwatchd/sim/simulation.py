@@ -44,7 +44,6 @@ from gpuwatchd.sim.world import (
 BUSY_POLLS = 50  # polls at one instant before the simulation calls it a busy loop
 MAX_POLLS = 100_000  # interval polls one simulation may take; more is refused up front
 SIM_HOSTNAME = "sim-node"  # {hostname} in the hooks of a simulated host
-# The timeline steps Simulation.apply hands to _apply_to_process and to _apply_to_gpu.
 _PROCESS_ACTIONS = frozenset({"exit", "start", "state", "reap"})
 _GPU_ACTIONS = frozenset({"set_memory", "memory_stays_allocated", "reset_result", "xid", "health"})
 

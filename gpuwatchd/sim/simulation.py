@@ -44,8 +44,6 @@ from gpuwatchd.sim.world import (
 BUSY_POLLS = 50  # polls at one instant before the simulation calls it a busy loop
 MAX_POLLS = 100_000  # interval polls one simulation may take; more is refused up front
 SIM_HOSTNAME = "sim-node"  # {hostname} in the hooks of a simulated host
-_PROCESS_ACTIONS = frozenset({"exit", "start", "state", "reap"})
-_GPU_ACTIONS = frozenset({"set_memory", "memory_stays_allocated", "reset_result", "xid", "health"})
 
 
 # --- the policy -------------------------------------------------------------------------------
@@ -239,16 +237,15 @@ class Simulation:
             self.exited.append(identity)
 
     def apply(self, event: EventSpec) -> None:
-        """A timeline step applied: to a process, to a GPU, or to the daemon's switches."""
+        """A timeline step applied: to the daemon's switches, to a process or to a GPU (each
+        of these three leaves the others' steps alone)."""
         action = event.action
-        if action in _PROCESS_ACTIONS:
-            self._apply_to_process(event)
-        elif action in _GPU_ACTIONS:
-            self._apply_to_gpu(event)
-        elif action in ("pause", "resume"):
+        if action in ("pause", "resume"):
             self.engine.set_paused((event.value or "admin") if action == "pause" else None)
         elif action == "spare" and (spare := self.world.spare(event, WALL0 + self.now)) is not None:
             self.spares[spare.target] = spare
+        self._apply_to_process(event)
+        self._apply_to_gpu(event)
 
     def _apply_to_process(self, event: EventSpec) -> None:
         """A process's step: it exits, starts, changes state, or is reaped (a zombie)."""

@@ -49,8 +49,6 @@ _TOP_KEYS = keys_of(Scenario, but=("path",))  # the file's keys are its fields
 # sigterm_delay is said in on_sigterm; line is where the process was read
 _PROCESS_KEYS = keys_of(ProcessSpec, but=("sigterm_delay", "line"))
 
-_HOLDS_KEYS = keys_of(HoldSpec)
-
 
 _SYSTEM_PROGRAM_DIRS = ("/usr/", "/bin/", "/sbin/", "/opt/")  # exe_trusted's default
 
@@ -280,7 +278,7 @@ class _Reader(GpuReader):
             return HoldSpec(ctl=False, uvm=False)
         if isinstance(node, Seq):  # shorthand: a list of GPU indexes
             return HoldSpec(tuple(self.gpu_index(item) for item in node.items))
-        m = self.mapping(node, _HOLDS_KEYS)
+        m = self.mapping(node, keys_of(HoldSpec))
         get = m.entries.get
         gpus = tuple(self.gpu_index(i) for i in items_of(n)) if (n := get("gpus")) else ()
         via = self.choice(n, VIA) if (n := get("via")) is not None else "both"

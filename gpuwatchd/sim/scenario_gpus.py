@@ -38,16 +38,11 @@ from gpuwatchd.sim.scenario_spec import (
 # retired pages and the NVLink fabric; a successful reset clears what a reset applies.
 HEALTH_KEYS = keys_of(HealthSpec)
 
-_HOST_KEYS = keys_of(HostSpec)
-
 # GpuSpec's fields, but its memory figures are one mapping (``memory``) and its instances are
 # read under ``mig``.
 _SPEC_KEYS = keys_of(GpuSpec, but=("allocated", "reserved", "leaked", "mig_instances"))
 _GPU_KEYS = tuple("memory" if key == "total" else key for key in _SPEC_KEYS)
 
-_MIG_KEYS = ("instances",)
-
-_INSTANCE_KEYS = keys_of(MigInstanceSpec)
 _INSTANCE_SIZES = ("total", "allocated", "leaked")
 
 _PROFILE = re.compile(r"[0-9]{1,2}(?:c\.[0-9]{1,2})?g\.[0-9]{1,4}gb(?:\+[a-z]{1,8})?")
@@ -114,7 +109,7 @@ class GpuReader(ReaderBase):
     def host(self, node: Node | None) -> HostSpec:
         if node is None:
             return HostSpec()
-        m = self.mapping(node, _HOST_KEYS)
+        m = self.mapping(node, keys_of(HostSpec))
         spec = HostSpec()
         namespaces = spec.host_namespaces
         if (n := m.entries.get("host_namespaces")) is not None:
@@ -197,10 +192,10 @@ class GpuReader(ReaderBase):
 
     def mig_instances(self, node: Map) -> tuple[MigInstanceSpec, ...]:
         """``mig: {instances: [{gi, profile, total, allocated, leaked}, ...]}``."""
-        m = self.mapping(node, _MIG_KEYS)
+        m = self.mapping(node, ("instances",))
         found: list[MigInstanceSpec] = []
         for item in items_of(m.entries["instances"]) if "instances" in m.entries else []:
-            im = self.mapping(item, _INSTANCE_KEYS)
+            im = self.mapping(item, keys_of(MigInstanceSpec))
             get = im.entries.get
             if (n := get("gi")) is None:
                 raise im.error("missing required field 'gi' (the GPU instance id)", "gi")

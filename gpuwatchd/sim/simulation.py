@@ -44,9 +44,6 @@ from gpuwatchd.sim.world import (
 BUSY_POLLS = 50  # polls at one instant before the simulation calls it a busy loop
 MAX_POLLS = 100_000  # interval polls one simulation may take; more is refused up front
 SIM_HOSTNAME = "sim-node"  # {hostname} in the hooks of a simulated host
-# The timeline steps Simulation.apply hands to _apply_to_process and to _apply_to_gpu.
-_PROCESS_ACTIONS = frozenset({"exit", "start", "state", "reap"})
-_GPU_ACTIONS = frozenset({"set_memory", "memory_stays_allocated", "reset_result", "xid", "health"})
 
 
 # --- the policy -------------------------------------------------------------------------------
@@ -240,16 +237,15 @@ class Simulation:
             self.exited.append(identity)
 
     def apply(self, event: EventSpec) -> None:
-        """A timeline step applied: to a process, to a GPU, or to the daemon's switches."""
+        """A timeline step applied: to the daemon's switches, to a process or to a GPU (each
+        of these three leaves the others' steps alone)."""
         action = event.action
-        if action in _PROCESS_ACTIONS:
-            self._apply_to_process(event)
-        elif action in _GPU_ACTIONS:
-            self._apply_to_gpu(event)
-        elif action in ("pause", "resume"):
+        if action in ("pause", "resume"):
             self.engine.set_paused((event.value or "admin") if action == "pause" else None)
         elif action == "spare" and (spare := self.world.spare(event, WALL0 + self.now)) is not None:
             self.spares[spare.target] = spare
+        self._apply_to_process(event)
+        self._apply_to_gpu(event)
 
     def _apply_to_process(self, event: EventSpec) -> None:
         """A process's step: it exits, starts, changes state, or is reaped (a zombie)."""
@@ -402,9 +398,8 @@ class VirtualHost:
         reset = sim.policy.reset
         self.commands: dict[tuple[str, ...], tuple[str, WorldGpu]] = {}
         # A MIG GPU instance's recovery commands (docs/simulate.md): argv -> (its position,
-        # the last position, the GPU, the GPU instance id).
-        self.mig: dict[tuple[str, ...], tuple[int, int, WorldGpu, int]] = {}
-        last = len(reset.mig_recovery_commands) - 1
+        # the GPU, the GPU instance id); the last of them re-creates the instance.
+        self.mig: dict[tuple[str, ...], tuple[int, WorldGpu, int]] = {}
         for gpu in sim.world.gpus.values():
             spec = gpu.spec
             for instance in spec.mig_instances:
@@ -419,7 +414,7 @@ class VirtualHost:
                         argv = format_argv(template, **filled)
                     except ValueError:
                         continue  # perform_reset refuses before anything runs
-                    self.mig.setdefault(argv, (position, last, gpu, instance.gi))
+                    self.mig.setdefault(argv, (position, gpu, instance.gi))
             values = {"uuid": spec.uuid, "pci_bus_id": spec.pci_bus_id, "minor": str(spec.minor)}
             for what, template, mode in (
                 ("reset", reset.command, {}),
@@ -537,13 +532,13 @@ class VirtualHost:
 
     def mig_command(self, argv: tuple[str, ...]) -> CommandResult:
         """The driver's answer to one of a MIG GPU instance's recovery commands."""
-        position, last, gpu, gi = self.mig[argv]
+        position, gpu, gi = self.mig[argv]
         world = self.sim.world
         world.settle(self.sim.now)
         if world.instance_users(gpu, gi):
             said = f"Unable to destroy GPU instance ID {gi}: In use by another client"
             return CommandResult(argv, 255, said, False, 0.2, None)
-        if position == last:
+        if position == len(self.sim.policy.reset.mig_recovery_commands) - 1:
             world.recreate_instance(gpu, gi)
             said = f"Successfully created GPU instance ID {gi} on GPU {gpu.spec.index}"
             return CommandResult(argv, 0, said, False, 0.5, None)

@@ -143,7 +143,7 @@ class World:
             for g in scenario.gpus
         }
         self.by_minor = {g.spec.minor: g for g in self.gpus.values()}
-        self.procs: dict[int, WorldProc] = {}
+        self.procs: dict[int, WorldProc] = {}  # the process table: the present ones by PID
         self.history: list[WorldProc] = []
         self.contexts: list[_Context] = []
         self.leak_on_exit: set[str] = set()
@@ -157,20 +157,17 @@ class World:
     # -- processes --
 
     def start(self, spec: ProcessSpec, *, at: float, initial: bool = False) -> WorldProc:
-        old = self.procs.get(spec.pid)
-        if old is not None and old.present:
+        if (old := self.procs.get(spec.pid)) is not None:
             raise SimulationError(
                 f"{self.scenario.path}:{spec.line}: pid {spec.pid} ({spec.name}) is still in use "
                 f"by {old.name} at +{at:g}s"
             )
-        minors = frozenset(self.gpus[i].spec.minor for i in spec.holds.gpus)
-        ticks = spec.pid * 100 if initial else next(self.ticks) + int(at * 100)
         proc = WorldProc(
             spec=spec,
-            start_ticks=ticks,
+            start_ticks=spec.pid * 100 if initial else next(self.ticks) + int(at * 100),
             ppid=spec.ppid,
             state=spec.state,
-            minors=minors,
+            minors=frozenset(self.gpus[i].spec.minor for i in spec.holds.gpus),
             ctl=spec.holds.ctl,
             uvm=spec.holds.uvm,
             alive=spec.state != "Z",
@@ -204,10 +201,10 @@ class World:
         notes: list[str] = []
         proc.alive, proc.exited_at, proc.exit_why = False, at, why
         live = [c for c in self.contexts if c.pid == proc.pid and c.status == "live"]
-        heirs_by_gpu = {ctx.gpu: self._heirs(proc, ctx.gpu) for ctx in live}
+        heirs_of = [self._heirs(proc, ctx) for ctx in live]
         reaper = self._reaper(proc)
         for child in self.procs.values():
-            if child.ppid == proc.pid and child.present and child is not proc:
+            if child.ppid == proc.pid and child is not proc:
                 child.ppid = reaper
         proc.minors, proc.ctl, proc.uvm = frozenset(), False, False
         if proc.spec.on_exit == "zombie":
@@ -216,10 +213,7 @@ class World:
         else:
             self.reap(proc)
         leak = proc.spec.on_exit == "leak" or proc.name in self.leak_on_exit
-        for ctx in live:
-            heirs = heirs_by_gpu[ctx.gpu]
-            if ctx.gi is not None:  # MIG: only holders of that instance's capabilities pin it
-                heirs = {pid for pid in heirs if self.procs[pid].spec.holds.mig == ctx.gi}
+        for ctx, heirs in zip(live, heirs_of, strict=True):
             if leak:
                 ctx.status = "leaked"
                 notes.append(f"its {size_text(ctx.size)} on GPU {ctx.gpu} stays allocated (leaked)")
@@ -256,15 +250,16 @@ class World:
                 return
             current = parent.ppid
 
-    def _heirs(self, owner: WorldProc, gpu: int) -> set[int]:
+    def _heirs(self, owner: WorldProc, ctx: _Context) -> set[int]:
         """Live processes that inherited ``owner``'s device files: its descendants or process
-        group members that hold the GPU, own no context there and not ``files: own``."""
-        minor = self.gpus[gpu].spec.minor
+        group members that hold the context's GPU (on a MIG GPU, its GPU instance's
+        capabilities), own no context there and not ``files: own``."""
+        minor = self.gpus[ctx.gpu].spec.minor
         found = set()
         for proc in self.procs.values():
             if proc is owner or not proc.alive or minor not in proc.minors:
                 continue
-            if proc.spec.files == "own":
+            if proc.spec.files == "own" or ctx.gi not in (None, proc.spec.holds.mig):
                 continue
             if any(c.pid == proc.pid and c.status == "live" for c in self.contexts):
                 continue
@@ -296,7 +291,7 @@ class World:
         return [
             proc.name
             for proc in self.procs.values()
-            if proc.present and proc.spec.holds.mig == gi and gpu.spec.minor in proc.minors
+            if proc.spec.holds.mig == gi and gpu.spec.minor in proc.minors
         ]
 
     def recreate_instance(self, gpu: WorldGpu, gi: int) -> None:
@@ -482,12 +477,6 @@ class World:
             gpu = self.gpus[index]
             spec = gpu.spec
             allocated = self.allocated(gpu)
-            memory = GpuMemory(
-                total=spec.total,
-                free=spec.total - spec.reserved - allocated,
-                reserved=spec.reserved,
-                allocated=allocated,
-            )
             infos.append(
                 GpuInfo(
                     index=index,
@@ -495,7 +484,12 @@ class World:
                     name=spec.name,
                     pci_bus_id=spec.pci_bus_id,
                     minor=spec.minor,
-                    memory=memory,
+                    memory=GpuMemory(
+                        total=spec.total,
+                        free=spec.total - spec.reserved - allocated,
+                        reserved=spec.reserved,
+                        allocated=allocated,
+                    ),
                     processes=self._listed(index),
                     mig_enabled=spec.mig,
                     persistence_mode=gpu.persistence,
@@ -526,15 +520,12 @@ class World:
 
     def absent_pids(self) -> frozenset[int]:
         """Session and process-group leaders of holders that are not in the process table."""
-        leaders = {
+        return frozenset(
             leader
             for proc in self.procs.values()
-            if proc.present and (proc.minors or proc.ctl or proc.uvm)
+            if proc.minors or proc.ctl or proc.uvm
             for leader in (proc.spec.sid, proc.spec.pgid)
-            if leader > 1 and leader != proc.pid
-        }
-        return frozenset(
-            pid for pid in leaders if pid not in self.procs or not self.procs[pid].present
+            if leader > 1 and leader not in self.procs
         )
 
     def snapshot(self, now: float) -> Snapshot:

@@ -198,7 +198,9 @@ class GpuReader(ReaderBase):
             im = self.mapping(item, keys_of(MigInstanceSpec))
             get = im.entries.get
             if (n := get("gi")) is None:
-                raise im.error("missing required field 'gi' (the GPU instance id)", "gi")
+                raise im.error(
+                    "missing required field 'gi' (the GPU instance id)", join_key(im.path, "gi")
+                )
             gi = self.integer(n)
             if gi > 14:
                 raise n.error("a GPU instance id is 0 to 14")

@@ -78,6 +78,14 @@ def test_malformed_mig_layouts_are_refused_with_their_line(instances: str, fragm
     assert str(caught.value).startswith("s.yaml:")
 
 
+def test_a_mig_instance_without_its_gi_is_named_by_its_whole_key_path() -> None:
+    """As every other missing field is (``processes[0].name``): not a bare ``gi``."""
+    text = "duration: 1m\ngpus:\n  - index: 0\n    mig:\n      instances: [{profile: 1g.10gb}]\n"
+    with pytest.raises(ScenarioError) as caught:
+        parse_scenario("s.yaml", text)
+    assert caught.value.key == "gpus[0].mig.instances[0].gi"
+
+
 def test_the_virtual_host_reads_like_a_mig_gpu() -> None:
     scenario = parse_scenario(
         "s.yaml",

@@ -62,6 +62,9 @@ class HostView:
             for row in rows
             if row.proc is not None and (row.status == "alive" or self.holds_anything(row.proc.pid))
         }
+        self.listed_dead = frozenset(
+            row.entry.pid for rows in self.listings.values() for row in rows if row.status == "dead"
+        )
 
     def holds_anything(self, pid: int) -> bool:
         holding = self.holdings.get(pid)

@@ -162,24 +162,20 @@ def update_lineage(
     host: HostView, previous: Mapping[ProcessIdentity, Lineage], tracked: Iterable[ProcessInfo]
 ) -> dict[ProcessIdentity, Lineage]:
     """This boot's ``previous`` lineage where still true, and newcomers (docs/internals.md)."""
-    snapshot = host.snapshot
-    listed_dead = {
-        row.entry.pid for rows in host.listings.values() for row in rows if row.status == "dead"
-    }
     kept: dict[ProcessIdentity, Lineage] = {}
     for ident, lin in previous.items():
         proc = host.procs.get(ident.pid)
         if proc is not None:
             if proc.start_ticks is None or proc.start_ticks == ident.start_ticks:
                 kept[ident] = lin
-        elif ident.pid in listed_dead or not host.full_scan:
+        elif ident.pid in host.listed_dead or not host.full_scan:
             kept[ident] = lin
     for proc in tracked:
         new = proc.identity
         if new is None or new in kept:
             continue
         job = proc.cgroup.job_key if proc.cgroup is not None else None
-        kept[new] = Lineage(proc.ppid, proc.pgid, proc.sid, job, snapshot.monotonic)
+        kept[new] = Lineage(proc.ppid, proc.pgid, proc.sid, job, host.snapshot.monotonic)
     return kept
 
 

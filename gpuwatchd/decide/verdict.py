@@ -304,9 +304,8 @@ class _Judge:
         dirty = {r.pid for r in self.reasons[gpu.uuid] if r.pid is not None}
         found: list[Reason] = []
         for pid, holding in self._holders_of(gpu.minor):
-            on_gpu = gpu.minor is not None and gpu.minor in holding.gpu_minors
-            node_only = not holding.gpu_minors and (holding.ctl or holding.uvm)
-            if not (on_gpu or node_only) or pid in snapshot.self_pids or pid in dirty:
+            node_only = not holding.gpu_minors  # _holders_of lists those of nvidiactl/-uvm only
+            if pid in snapshot.self_pids or pid in dirty:
                 continue
             proc = self.process(pid)
             if proc is not None and is_infrastructure(proc):

@@ -90,9 +90,6 @@ class HostView:
             self._by_minor = index
         return list(self._by_minor.get(gpu.minor, ()))
 
-    def held_gpus(self, holding: DeviceHolding) -> list[GpuInfo]:
-        return [g for g in self.gpus if g.minor is not None and g.minor in holding.gpu_minors]
-
     def is_floor(self, pid: int) -> bool:
         if pid not in self._floor:
             proc = self.procs.get(pid)

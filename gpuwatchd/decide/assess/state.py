@@ -127,12 +127,10 @@ def _inheritance_entry(entry: object) -> tuple[ProcessIdentity, Inheritance]:
         raise ValueError(f"inheritance entry names too many owners: {entry!r}")
     answers: list[tuple[ProcessIdentity, bool]] = []
     for item in raw:
-        if not isinstance(item, list) or len(item) != 3 or not isinstance(item[2], bool):
+        pair = [as_int(v) for v in item[:2]] if isinstance(item, list) and len(item) == 3 else []
+        if len(pair) != 2 or pair[0] is None or pair[1] is None or not isinstance(item[2], bool):
             raise ValueError(f"bad inheritance owner: {item!r}")
-        owner_pid, owner_start = as_int(item[0]), as_int(item[1])
-        if owner_pid is None or owner_start is None:
-            raise ValueError(f"bad inheritance owner: {item!r}")
-        answers.append((ProcessIdentity(owner_pid, owner_start), item[2]))
+        answers.append((ProcessIdentity(pair[0], pair[1]), item[2]))
     return ProcessIdentity(pid, start), tuple(answers)
 
 

@@ -200,8 +200,7 @@ def update_inheritance(
 def update_owners(
     host: HostView, previous: frozenset[ProcessIdentity], lineage: Mapping[ProcessIdentity, Lineage]
 ) -> frozenset[ProcessIdentity]:
-    """Context owners seen so far: this poll's, plus earlier ones still alive or still named
-    as parent, process group or session by a recorded lineage."""
+    """Context owners seen so far, kept as docs/internals.md says (``owners``)."""
     current = {p.identity for p in host.listed_alive.values() if p.identity is not None}
     named = {v for lin in lineage.values() for v in (lin.ppid, lin.pgid, lin.sid) if v}
     kept = set(current)

@@ -201,9 +201,8 @@ def update_owners(
     host: HostView, previous: frozenset[ProcessIdentity], lineage: Mapping[ProcessIdentity, Lineage]
 ) -> frozenset[ProcessIdentity]:
     """Context owners seen so far, kept as docs/internals.md says (``owners``)."""
-    current = {p.identity for p in host.listed_alive.values() if p.identity is not None}
+    kept = {p.identity for p in host.listed_alive.values() if p.identity is not None}
     named = {v for lin in lineage.values() for v in (lin.ppid, lin.pgid, lin.sid) if v}
-    kept = set(current)
     for ident in previous:
         proc = host.procs.get(ident.pid)
         alive = proc is not None and proc.start_ticks == ident.start_ticks

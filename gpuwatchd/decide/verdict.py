@@ -300,13 +300,11 @@ class _Judge:
         """Holders of the GPU's device file (and of nvidiactl/nvidia-uvm only) that are not
         dirt here: the driver, or gpuwatchd's final scan, would refuse a reset while they hold
         it. Infrastructure is left out: the reset procedure itself stops it."""
-        snapshot = self.snapshot
         dirty = {r.pid for r in self.reasons[gpu.uuid] if r.pid is not None}
         found: list[Reason] = []
         for pid, holding in self._holders_of(gpu.minor):
-            on_gpu = gpu.minor is not None and gpu.minor in holding.gpu_minors
-            node_only = not holding.gpu_minors and (holding.ctl or holding.uvm)
-            if not (on_gpu or node_only) or pid in snapshot.self_pids or pid in dirty:
+            node_only = not holding.gpu_minors  # _holders_of lists those of nvidiactl/-uvm only
+            if pid in self.snapshot.self_pids or pid in dirty:
                 continue
             proc = self.process(pid)
             if proc is not None and is_infrastructure(proc):

@@ -31,7 +31,7 @@ class HolderPass(AssessorState):
     def assess_holders(self) -> None:
         host = self.host
         for pid, holding in sorted(host.holdings.items()):
-            held = host.held_gpus(holding)
+            held = [g for g in host.gpus if g.minor is not None and g.minor in holding.gpu_minors]
             proc = host.procs.get(pid)
             outcome = self.classify(pid, proc, holding, held)
             if proc is not None and outcome.kind is not None:

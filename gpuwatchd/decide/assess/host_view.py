@@ -62,6 +62,9 @@ class HostView:
             for row in rows
             if row.proc is not None and (row.status == "alive" or self.holds_anything(row.proc.pid))
         }
+        self.listed_dead = frozenset(
+            row.entry.pid for rows in self.listings.values() for row in rows if row.status == "dead"
+        )
 
     def holds_anything(self, pid: int) -> bool:
         holding = self.holdings.get(pid)
@@ -86,9 +89,6 @@ class HostView:
                     index.setdefault(minor, []).append(holding)
             self._by_minor = index
         return list(self._by_minor.get(gpu.minor, ()))
-
-    def held_gpus(self, holding: DeviceHolding) -> list[GpuInfo]:
-        return [g for g in self.gpus if g.minor is not None and g.minor in holding.gpu_minors]
 
     def is_floor(self, pid: int) -> bool:
         if pid not in self._floor:

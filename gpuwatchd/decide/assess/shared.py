@@ -84,9 +84,7 @@ def _pid_trust_problem(
     if host.invalid:
         shown = ", ".join(f"{pid} on {uuid}" for uuid, pid in host.invalid[:5])
         return f"NVML listed impossible PIDs ({shown}); process lists are not trusted"
-    dead = sorted(
-        {row.entry.pid for rows in host.listings.values() for row in rows if row.status == "dead"}
-    )
+    dead = sorted(host.listed_dead)
     unexplained = [pid for pid in dead if not _dead_pid_explained(host, pid, lineage)]
     if len(unexplained) >= detection.pid_trust_min_unresolved:
         shown = ", ".join(str(pid) for pid in unexplained[:8])

@@ -127,12 +127,10 @@ def _inheritance_entry(entry: object) -> tuple[ProcessIdentity, Inheritance]:
         raise ValueError(f"inheritance entry names too many owners: {entry!r}")
     answers: list[tuple[ProcessIdentity, bool]] = []
     for item in raw:
-        if not isinstance(item, list) or len(item) != 3 or not isinstance(item[2], bool):
+        pair = [as_int(v) for v in item[:2]] if isinstance(item, list) and len(item) == 3 else []
+        if len(pair) != 2 or pair[0] is None or pair[1] is None or not isinstance(item[2], bool):
             raise ValueError(f"bad inheritance owner: {item!r}")
-        owner_pid, owner_start = as_int(item[0]), as_int(item[1])
-        if owner_pid is None or owner_start is None:
-            raise ValueError(f"bad inheritance owner: {item!r}")
-        answers.append((ProcessIdentity(owner_pid, owner_start), item[2]))
+        answers.append((ProcessIdentity(pair[0], pair[1]), item[2]))
     return ProcessIdentity(pid, start), tuple(answers)
 
 
@@ -162,24 +160,20 @@ def update_lineage(
     host: HostView, previous: Mapping[ProcessIdentity, Lineage], tracked: Iterable[ProcessInfo]
 ) -> dict[ProcessIdentity, Lineage]:
     """This boot's ``previous`` lineage where still true, and newcomers (docs/internals.md)."""
-    snapshot = host.snapshot
-    listed_dead = {
-        row.entry.pid for rows in host.listings.values() for row in rows if row.status == "dead"
-    }
     kept: dict[ProcessIdentity, Lineage] = {}
     for ident, lin in previous.items():
         proc = host.procs.get(ident.pid)
         if proc is not None:
             if proc.start_ticks is None or proc.start_ticks == ident.start_ticks:
                 kept[ident] = lin
-        elif ident.pid in listed_dead or not host.full_scan:
+        elif ident.pid in host.listed_dead or not host.full_scan:
             kept[ident] = lin
     for proc in tracked:
         new = proc.identity
         if new is None or new in kept:
             continue
         job = proc.cgroup.job_key if proc.cgroup is not None else None
-        kept[new] = Lineage(proc.ppid, proc.pgid, proc.sid, job, snapshot.monotonic)
+        kept[new] = Lineage(proc.ppid, proc.pgid, proc.sid, job, host.snapshot.monotonic)
     return kept
 
 
@@ -206,11 +200,9 @@ def update_inheritance(
 def update_owners(
     host: HostView, previous: frozenset[ProcessIdentity], lineage: Mapping[ProcessIdentity, Lineage]
 ) -> frozenset[ProcessIdentity]:
-    """Context owners seen so far: this poll's, plus earlier ones still alive or still named
-    as parent, process group or session by a recorded lineage."""
-    current = {p.identity for p in host.listed_alive.values() if p.identity is not None}
+    """Context owners seen so far, kept as docs/internals.md says (``owners``)."""
+    kept = {p.identity for p in host.listed_alive.values() if p.identity is not None}
     named = {v for lin in lineage.values() for v in (lin.ppid, lin.pgid, lin.sid) if v}
-    kept = set(current)
     for ident in previous:
         proc = host.procs.get(ident.pid)
         alive = proc is not None and proc.start_ticks == ident.start_ticks

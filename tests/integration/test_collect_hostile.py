@@ -38,6 +38,7 @@ from gpuwatchd.collect.nvml import (
 )
 from gpuwatchd.collect.procfs import ProcFS, parse_proc_devices
 from gpuwatchd.core.model import FindingKind, GpuInfo, GpuMemory, NvmlProcess, NvmlReading
+from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.decide.assess.passes import assess
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.full_scan import FullScanReason
@@ -355,7 +356,7 @@ def test_worker_surviving_sigkill_is_the_only_one_left_and_a_new_one_starts_afte
         (hung,) = spawner.started
         assert client.hung_worker_pid == hung.pid
         assert hung.poll() is None
-        assert [e["log_level"] for e in _events(logs, "nvml.worker_hung")] == ["critical"]
+        assert [e["log_level"] for e in _events(logs, EventName.NVML_WORKER_HUNG)] == ["critical"]
         assert open_device_files(hung.pid, fake_nvml.devices_dir) == {"nvidiactl", "nvidia0"}
 
         # Past the backoff, and still no second worker while the hung one lives.
@@ -385,7 +386,7 @@ def test_worker_surviving_sigkill_is_the_only_one_left_and_a_new_one_starts_afte
         assert len(spawner.started) == 2
         assert client.hung_worker_pid is None
         assert client.worker_pids == {spawner.started[1].pid}
-        assert _events(logs, "nvml.hung_worker_exited")
+        assert _events(logs, EventName.NVML_HUNG_WORKER_EXITED)
     finally:
         client.stop()
 
@@ -443,7 +444,7 @@ def test_worker_stuck_in_the_kernel_for_real_reads_wedged_and_is_replaced_after_
         assert pid is not None
         assert _state_of(pid) == "D"
         assert hanging_fuse.flushes >= 1
-        assert _events(logs, "nvml.worker_hung")
+        assert _events(logs, EventName.NVML_WORKER_HUNG)
 
         clock[0] += 1.0  # within the backoff
         started = time.monotonic()

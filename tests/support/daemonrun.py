@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from gpuwatchd.core.vocabulary import EventName
 from tests.support.fakenvml import MiB, gpu, process
 from tests.support.simhost import SimHost
 
@@ -225,7 +226,7 @@ def _signals(run: Run) -> list[dict[str, Any]]:
     return [
         {k: e.get(k) for k in ("pid", "signal", "outcome", "dry_run", "timestamp")}
         for e in run.events()
-        if e.get("event") == "action.signal"
+        if e.get("event") == EventName.ACTION_SIGNAL
     ]
 
 

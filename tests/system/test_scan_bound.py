@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from gpuwatchd.core.vocabulary import EventName
 from tests.support.children import private_tables
 from tests.support.daemonrun import Run
 from tests.support.fakenvml import GiB, gpu
@@ -110,12 +111,12 @@ def host_thread_flood(arg: dict[str, Any], root: Path) -> dict[str, Any]:
             "new": [
                 (e.get("kind"), e.get("pid"))
                 for e in run.events()
-                if e.get("event") == "finding.new"
+                if e.get("event") == EventName.FINDING_NEW
             ],
             "unread": [
                 e.get("pid")
                 for e in run.events()
-                if e.get("event") == "collect.thread_tables_unread"
+                if e.get("event") == EventName.COLLECT_THREAD_TABLES_UNREAD
             ],
         }
 

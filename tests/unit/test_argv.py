@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.decide.argv import (
     ARGV_PLACEHOLDERS,
     GPU_PLACEHOLDERS,
@@ -221,8 +222,8 @@ def test_an_argument_that_fills_past_what_a_reset_records_is_refused() -> None:
 
 
 def test_hook_environment_names_only_known_values() -> None:
-    assert hook_environment("reset.failed", gpu=UUID, user=None, minor=0) == {
-        "GPUWATCHD_EVENT": "reset.failed",
+    assert hook_environment(EventName.RESET_FAILED, gpu=UUID, user=None, minor=0) == {
+        "GPUWATCHD_EVENT": EventName.RESET_FAILED,
         "GPUWATCHD_GPU": UUID,
         "GPUWATCHD_MINOR": "0",
     }

@@ -16,7 +16,7 @@ import pytest
 from gpuwatchd.act.reset import perform_reset
 from gpuwatchd.act.reset_resume import resume_interrupted
 from gpuwatchd.act.reset_target import ResetTarget
-from gpuwatchd.core.vocabulary import ResetStep
+from gpuwatchd.core.vocabulary import EventName, ResetStep
 from gpuwatchd.decide.argv import MAX_ARGS as MAX_RECORDED_ARGS
 from gpuwatchd.decide.argv import MAX_COMMANDS as MAX_RECORDED_COMMANDS
 from gpuwatchd.decide.argv import MAX_FILLED_CHARS as MAX_RECORDED_CHARS
@@ -146,7 +146,7 @@ def test_a_damaged_recorded_command_list_changes_nothing_and_is_failed(
     assert f"unreadable reset record of {UUID}: its recorded commands: " in outcome.reason
     assert said in outcome.reason
     assert smi.calls() == [], "nothing is run, not even the after hooks"
-    assert [e for e, _l, _f in env.events] == ["reset.resume_failed"]
+    assert [e for e, _l, _f in env.events] == [EventName.RESET_RESUME_FAILED]
 
 
 @pytest.mark.parametrize("commands", [None, [], "x", {}])

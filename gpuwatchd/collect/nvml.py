@@ -52,6 +52,8 @@ _INHERITED_NAMES = frozenset({"PATH", "LD_LIBRARY_PATH"})
 _INHERITED_PREFIXES = ("FAKENVML_",)
 _DEFAULT_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 LAUNCHER_FILE = NVML_LAUNCHER_FILE
+# A reply line longer than this is no worker's: 64 GPUs of 4,096 processes each take ~40 MiB.
+MAX_REPLY = 64 << 20
 
 Spawn = Callable[..., "subprocess.Popen[bytes]"]
 T = TypeVar("T")
@@ -265,8 +267,11 @@ class NvmlClient:
     def _receive(self, proc: subprocess.Popen[bytes] | None, deadline: float) -> dict[str, Any]:
         if proc is None or proc.stdout is None:
             raise _WorkerGone("no NVML worker")
-        fd = proc.stdout.fileno()
-        while b"\n" not in self._buffer:
+        fd, pending, scanned = proc.stdout.fileno(), bytearray(self._buffer), 0
+        while (end := pending.find(b"\n", scanned)) < 0:
+            if len(pending) > MAX_REPLY:
+                raise _WorkerGone(f"NVML worker sent a reply over {MAX_REPLY >> 20} MiB")
+            scanned = len(pending)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError
@@ -276,8 +281,8 @@ class NvmlClient:
             chunk = os.read(fd, 65536)
             if not chunk:
                 raise _WorkerGone(self._death_note(proc))
-            self._buffer += chunk
-        line, _, self._buffer = self._buffer.partition(b"\n")
+            pending += chunk
+        line, self._buffer = bytes(pending[:end]), bytes(pending[end + 1 :])
         try:
             return decode_json_object(line)
         except ValueError as error:

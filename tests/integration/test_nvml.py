@@ -23,6 +23,7 @@ import psutil
 import pytest
 from structlog.testing import capture_logs
 
+from gpuwatchd.collect import nvml as nvml_module
 from gpuwatchd.collect.nvml import (
     UNAVAILABLE_PREFIX,
     WORKER_FILE,
@@ -687,6 +688,30 @@ def test_a_malformed_worker_reply_reads_as_unavailable_said_once(
     said = [e["event"] for e in logs if e["log_level"] != "debug"]
     assert said == [EventName.NVML_UNAVAILABLE]
     assert [g.index for g in healed.gpus] == [0]
+
+
+def test_a_reply_that_never_ends_is_cut_at_its_bound_not_read_into_memory(
+    tmp_path: Path, clock: list[float], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that writes without ever ending its line is given up at ``MAX_REPLY`` bytes
+    (unavailable, said once), before the poll's deadline, not read into memory whole."""
+    monkeypatch.setattr(nvml_module, "MAX_REPLY", 1 << 20)
+    script = tmp_path / "worker.py"
+    script.write_text("import sys\nsys.stdin.readline()\nwhile 1:\n    print('x' * 4096, end='')\n")
+
+    def spawn(argv: list[str], **options: Any) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, str(script)], **options)
+
+    client = NvmlClient(timeout=20.0, clock=lambda: clock[0], backoff_initial=2.0, spawn=spawn)
+    try:
+        with capture_logs() as logs:
+            reading = client.read()
+    finally:
+        client.stop()
+    assert not reading.available  # not wedged: the deadline did not end it
+    assert reading.error == f"{UNAVAILABLE_PREFIX}NVML worker sent a reply over 1 MiB"
+    assert [e["event"] for e in logs if e["log_level"] != "debug"] == [EventName.NVML_UNAVAILABLE]
+    assert not client.worker_pids
 
 
 def test_the_worker_runs_from_compiled_code_kept_beside_its_file(

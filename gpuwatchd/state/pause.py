@@ -227,9 +227,10 @@ def _job_key(value: object, key: str) -> str:
 
 
 def _expiry(value: object, key: str) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
+    found = as_number(value)  # NaN and Infinity (json.loads reads them) are no time either
+    if found is None:
         raise ValueError("no expiry")
-    return value
+    return found
 
 
 # The waiter is checked last, after what the file name and the clock say (read_ended_jobs).

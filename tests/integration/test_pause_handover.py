@@ -105,6 +105,8 @@ def test_two_epilogs_never_overwrite_each_other_and_a_second_hand_over_extends(
         (json.dumps({"job": "gpu:0", "until": NOW + 5}).encode(), "expected KIND:ID"),
         (json.dumps({"job": "slurm:7", "until": "soon"}).encode(), "no expiry"),
         (json.dumps({"job": "slurm:7", "until": True}).encode(), "no expiry"),
+        (b'{"job": "slurm:7", "until": NaN}', "no expiry"),
+        (b'{"job": "slurm:7", "until": -Infinity}', "no expiry"),
         (json.dumps({"job": "slurm:7", "until": NOW + 7 * 86400}).encode(), "a day ahead"),
         (json.dumps({"job": "slurm:8", "until": NOW + 5}).encode(), "does not match"),
         (json.dumps({"job": "slurm:7", "until": NOW + 5}).encode(), "no waiting process"),

@@ -158,6 +158,8 @@ class _Reader(GpuReader):
             if name_node is None:
                 raise m.error("missing required field 'name'", join_key(m.path, "name"))
             name = self.string(name_node)
+            if not name:
+                raise name_node.error("a process name cannot be empty")
             if name in self.names:
                 raise name_node.error(f"two processes are named {shown(name)}")
             if (n := m.entries.get("pid")) is None:

@@ -95,6 +95,12 @@ def scenario(dry: str = "false", sigterm: str = "exit") -> str:
             "gpus[0].persistence",
             "expected true or false",
         ),
+        (
+            'duration: 1m\ngpus: [{index: 0}]\nprocesses:\n  - name: ""\n',
+            4,
+            "processes[0].name",
+            "a process name cannot be empty",
+        ),
         ("duration: [1m\n", 2, None, "YAML syntax"),
     ],
 )

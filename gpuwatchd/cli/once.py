@@ -19,6 +19,7 @@ from gpuwatchd.decide.plan.decisions import pending_keys
 from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import NodeVerdict, OnceStep, once_progress
+from gpuwatchd.events.words import JournalNamer, finding_label
 from gpuwatchd.state.saved import SavedState, read_saved_state
 
 MAX_PAUSE = 5.0  # seconds between two looks, whatever the policy's interval
@@ -40,19 +41,13 @@ def daemon_busy(
         for f in map(as_map, as_list(report.get("findings")))
         if f.get("gpu") in dirty and isinstance(f.get("key"), str)
     }
+    names = JournalNamer()  # as the daemon's own run --once says them
     busy = [
-        f"{_described(keyed[key])}: not seen by the daemon yet"
+        f"{finding_label(key, names)}: not seen by the daemon yet"
         for key in sorted(set(keyed) - set(plan.seen))
     ]
-    busy += [f"{_described(keyed[k])}: under way" for k in pending_keys(plan, keyed)]
+    busy += [f"{finding_label(key, names)}: under way" for key in pending_keys(plan, keyed)]
     return busy
-
-
-def _described(finding: Mapping[str, object]) -> str:
-    """``orphaned on GPU-… pid 4242`` (not escaped)."""
-    pid = finding.get("pid")
-    where = f" pid {pid}" if isinstance(pid, int) else ""
-    return f"{finding.get('kind')} on {finding.get('gpu') or 'no GPU'}{where}"
 
 
 def reset_under_way(state: Mapping[str, object]) -> str | None:

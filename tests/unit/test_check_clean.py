@@ -316,7 +316,7 @@ def test_once_times_out_with_75_naming_what_is_left() -> None:
     assert fakes.now == 12.0  # slept at most 5 s at a time, never past the timeout
     last = fakes.out.getvalue().splitlines()[-1]
     assert "timed out" in last
-    assert f"orphaned on {UUID0} pid 4242: under way" in last
+    assert f"orphaned PID 4242 on {UUID0}: under way" in last
 
 
 def test_once_beside_the_daemon_cannot_call_clean_what_its_state_hides() -> None:

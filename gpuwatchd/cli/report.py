@@ -78,7 +78,7 @@ CGROUP_FIELDS: Mapping[str, Callable[[object], object]] = {
 }
 _CGROUP = (*CGROUP_FIELDS, "job=job_key")
 # The parts of a GPU entry a MIG instance's entry keeps (the rest is the parent's to say).
-_KEPT = ("memory", "report_only", "notes", "processes_known", "processes", "holders", "verdict")
+_KEPT = ("memory", "report_only", "notes", "processes_known", "processes", "holders")
 # A finding's fields in the document's order, each with the types report_read takes it back as
 # (None: read there by hand, or not at all).
 FINDING_FIELDS: Mapping[str, tuple[type, ...] | None] = {

@@ -439,7 +439,8 @@ def _gate_print(tmp_path: Path, gates: str = GATES, policy: str = POLICY) -> str
     (decide / "gates.py").write_text(gates)
     (decide / "policy.py").write_text(policy)
     dependencies = Dependencies(tmp_path)
-    return dependencies.fingerprint(find_functions(ast.parse(gates))["gate"].node)
+    gate = find_functions(ast.parse(gates))["gate"].node
+    return dependencies.fingerprint(gate, "gpuwatchd/decide/gates.py")
 
 
 def test_changed_sees_a_change_to_a_callee_a_table_or_a_policy_default(
@@ -486,3 +487,46 @@ def test_a_callee_moved_to_another_file_of_decide_keeps_the_print(tmp_path: Path
         helpers.replace("len(kind)", "len(kind) * 2")
     )
     assert _gate_print(tmp_path, moved) != before
+
+
+def test_a_name_is_followed_where_its_module_binds_it(tmp_path: Path) -> None:
+    """A plain name reaches the definition its own module binds (its own, or the one it
+    imports), not every function of decide/ so named; ``module.f(...)`` reaches that module's
+    ``f``. A same-named private helper elsewhere re-mutates nothing; the one called still does."""
+    decide = tmp_path / "gpuwatchd" / "decide"
+    (decide / "sub").mkdir(parents=True)
+    (decide / "sub" / "__init__.py").write_text("")
+    other = "def _close(kind):\n    return 1\n\n\ndef limit(kind):\n    return 2\n"
+    (decide / "other.py").write_text(other)
+    shared = "def limit(kind):\n    return 3\n"
+    (decide / "sub" / "shared.py").write_text(shared)
+    gates = textwrap.dedent(
+        """
+        from gpuwatchd.decide.sub import shared
+        from gpuwatchd.decide.other import _close as closed
+
+
+        def gate(kind):
+            return _close(kind) + shared.limit(kind) + closed(kind)
+
+
+        def _close(kind):
+            return 4
+        """
+    )
+    before = _gate_print(tmp_path, gates)
+    (decide / "sub" / "shared.py").write_text(shared.replace("3", "30"))
+    assert _gate_print(tmp_path, gates) != before  # the module's function it calls
+    (decide / "sub" / "shared.py").write_text(shared)
+    assert _gate_print(tmp_path, gates) == before
+    (decide / "other.py").write_text(other.replace("return 2", "return 20"))
+    assert _gate_print(tmp_path, gates) == before  # another module's limit: not called
+    (decide / "other.py").write_text(other.replace("return 1", "return 10"))
+    assert _gate_print(tmp_path, gates) != before  # imported under another name
+    (decide / "other.py").write_text(other)
+    assert _gate_print(tmp_path, gates.replace("return 4", "return 40")) != before
+    unimported = gates.replace("from gpuwatchd.decide.other import _close as closed\n", "")
+    unimported = unimported.replace(" + closed(kind)", "")
+    alone = _gate_print(tmp_path, unimported)
+    (decide / "other.py").write_text(other.replace("return 1", "return 10"))
+    assert _gate_print(tmp_path, unimported) == alone  # other.py's _close is another function

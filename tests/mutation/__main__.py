@@ -21,7 +21,7 @@ function named in scope.py that no longer exists, a test that fails when run twi
 
 ``--changed`` (what CI runs) mutates only the functions whose fingerprint differs from the one
 recorded in ``tests/mutation/fingerprints.json``: a hash of the function's syntax tree *with*
-everything in decide/ it reaches by name (its callees, the tables it reads, the policy
+everything in decide/ it reaches (its callees, the tables it reads, the policy
 defaults of the attributes it reads; tests/mutation/callees.py), so a fresh clone needs no
 history to know what a change touched. ``--record`` rewrites the fingerprints of every
 function that was mutated in full and has no unexplained critical survivor.
@@ -198,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.only and not any(part in qualname for part in args.only):
                 continue
             fid = function_id(source.file, qualname)
-            prints[fid] = dependencies.fingerprint(function.node)
+            prints[fid] = dependencies.fingerprint(function.node, source.file)
             if args.changed and recorded.get(fid) == prints[fid]:
                 continue
             critical = target.is_critical(qualname)

@@ -5,9 +5,11 @@ the function's syntax tree *and* of everything in ``gpuwatchd/decide/`` (and ``m
 reaches by name: the functions and methods it calls, transitively, the module-level tables it
 reads, and the policy defaults (``decide/policy.py``'s dataclass fields) of the attributes it
 reads. A change to a callee or to a default therefore re-mutates the gate that depends on it;
-a function's own fingerprint alone would not. Reaching is by name (``x.confirm_for`` reaches
-every field and method called ``confirm_for``): it may re-mutate more than needed, never less.
-It never runs anything.
+a function's own fingerprint alone would not. A plain name is followed as Python binds it in
+the function's module (its own definition, or the one its import names); ``module.f(...)`` of
+an imported module to that module's ``f``. A method call (``x.confirm_for``) and a name the
+module does not bind reach every function so named, and an attribute read every policy field:
+it may re-mutate more than needed, never less. It never runs anything.
 """
 
 from __future__ import annotations
@@ -23,11 +25,7 @@ __all__ = ["DEPENDENCY_FILES", "Dependencies"]
 
 # Where a gate's callees, tables and defaults live (decide/ imports nothing else of ours but
 # model.py and vocabulary.py, whose names are data).
-DEPENDENCY_FILES = (
-    "gpuwatchd/decide/**/*.py",
-    "gpuwatchd/core/model.py",
-    "gpuwatchd/core/model.py",
-)
+DEPENDENCY_FILES = ("gpuwatchd/decide/**/*.py", "gpuwatchd/core/model.py")
 
 
 @dataclass(frozen=True)
@@ -35,8 +33,14 @@ class _Entry:
     where: str  # "file::qualname" or "file::NAME"
     dump: str
     names: frozenset[str] = frozenset()  # a function's: the names it reads (calls included)
-    calls: frozenset[str] = frozenset()  # a function's: the methods it calls (``x.name(...)``)
+    # A function's calls of an attribute: (the receiver's name, or "" when not a plain name;
+    # the attribute), ``x.name(...)``.
+    calls: frozenset[tuple[str, str]] = frozenset()
     attributes: frozenset[str] = frozenset()  # a function's: the attributes it reads
+
+    @property
+    def file(self) -> str:
+        return self.where.partition("::")[0]
 
 
 def _function(where: str, node: ast.FunctionDef | ast.AsyncFunctionDef) -> _Entry:
@@ -51,11 +55,26 @@ def _function(where: str, node: ast.FunctionDef | ast.AsyncFunctionDef) -> _Entr
         elif isinstance(inner, ast.Attribute):
             attributes.add(inner.attr)
         if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute):
-            calls.add(inner.func.attr)
+            receiver = inner.func.value
+            calls.add((receiver.id if isinstance(receiver, ast.Name) else "", inner.func.attr))
     # A local variable that shares a module function's name reaches nothing.
     return _Entry(
-        where, _dump(node), frozenset(names - local), frozenset(calls), frozenset(attributes)
+        where,
+        _dump(node),
+        frozenset(names - local),
+        frozenset((r if r not in local else "", a) for r, a in calls),
+        frozenset(attributes),
     )
+
+
+@dataclass
+class _Module:
+    """What one file binds at its top level: its functions and tables, and its imports
+    (alias -> (module, name), name None for ``import module``)."""
+
+    defined: dict[str, list[_Entry]]
+    imports: dict[str, tuple[str, str | None]]
+    bound: set[str]
 
 
 def _dump(node: ast.AST) -> str:
@@ -91,7 +110,8 @@ def _docstring(node: ast.AST) -> bool:
 class Dependencies:
     """The definitions of :data:`DEPENDENCY_FILES` under ``root``: functions and methods (what
     a call reaches), module-level tables (what a name reads) and, in ``policy_file``, the
-    defaults of the policy's fields (what an attribute read reaches), each by simple name."""
+    defaults of the policy's fields (what an attribute read reaches); each file's top-level
+    bindings and imports, to follow a plain name as Python does."""
 
     def __init__(
         self,
@@ -102,15 +122,22 @@ class Dependencies:
         self.functions: dict[str, list[_Entry]] = {}
         self.tables: dict[str, list[_Entry]] = {}
         self.defaults: dict[str, list[_Entry]] = {}
+        self.modules: dict[str, _Module] = {}  # by file
+        self.files: dict[str, str] = {}  # dotted module name -> file
         for pattern in patterns:
             for path in sorted(root.glob(pattern)):
                 file = path.relative_to(root).as_posix()
                 tree = ast.parse(path.read_text(encoding="utf-8"), file)
                 self._add(file, tree, defaults=file == policy_file)
+                dotted = file.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+                self.files[dotted] = file
 
     def _add(self, file: str, tree: ast.Module, *, defaults: bool) -> None:
+        module = self.modules[file] = _Module({}, {}, set())
+
         def put(index: dict[str, list[_Entry]], name: str, entry: _Entry) -> None:
             index.setdefault(name, []).append(entry)
+            module.defined.setdefault(name, []).append(entry)
 
         for node in tree.body:
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
@@ -119,7 +146,8 @@ class Dependencies:
                 for inner in node.body:
                     where = f"{file}::{node.name}.{getattr(inner, 'name', '')}"
                     if isinstance(inner, ast.FunctionDef | ast.AsyncFunctionDef):
-                        put(self.functions, inner.name, _function(where, inner))
+                        entry = _function(where, inner)
+                        self.functions.setdefault(inner.name, []).append(entry)
                     elif (
                         defaults
                         and isinstance(inner, ast.AnnAssign)
@@ -127,42 +155,91 @@ class Dependencies:
                         and inner.value is not None
                     ):  # a policy field's default
                         name = inner.target.id
-                        put(self.defaults, name, _Entry(f"{where}{name}", _dump(inner.value)))
+                        entry = _Entry(f"{where}{name}", _dump(inner.value))
+                        self.defaults.setdefault(name, []).append(entry)
             elif isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 for target in targets:
                     if isinstance(target, ast.Name):
-                        entry = _Entry(f"{file}::{target.id}", _dump(node.value))
-                        put(self.tables, target.id, entry)
+                        put(
+                            self.tables,
+                            target.id,
+                            _Entry(f"{file}::{target.id}", _dump(node.value)),
+                        )
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                for alias in node.names:
+                    module.imports[alias.asname or alias.name] = (node.module, alias.name)
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    bound = alias.asname or alias.name.partition(".")[0]
+                    module.imports[bound] = (alias.name if alias.asname else bound, None)
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                module.bound.add(node.name)
+            else:  # an assignment, or a name a top-level loop or with binds
+                stored = (n for n in ast.walk(node) if isinstance(n, ast.Name))
+                module.bound.update(n.id for n in stored if isinstance(n.ctx, ast.Store))
 
-    def reached(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[_Entry]:
-        """Every definition ``node`` reaches, transitively through the functions it calls, in
-        a fixed order (``node`` itself left out)."""
-        start = _function("", node)
+    def _name(self, file: str, name: str, depth: int = 0) -> list[_Entry]:
+        """What the plain ``name`` read in ``file`` is bound to: its own definition, the one an
+        import names, nothing (a class, a module, a name from outside the index), or, when the
+        file binds no such name (a builtin, or a file outside the index), every definition so
+        named."""
+        module = self.modules.get(file)
+        if module is None or depth > 8:
+            return [*self.functions.get(name, ()), *self.tables.get(name, ())]
+        if name in module.defined:
+            return module.defined[name]
+        if name in module.imports:
+            source, member = module.imports[name]
+            target = self.files.get(source)
+            if member is None or target is None or f"{source}.{member}" in self.files:
+                return []  # a module, or a definition outside the index
+            return self._name(target, member, depth + 1)
+        if name in module.bound:
+            return []  # a class, or a name bound otherwise (a loop's, say)
+        return [*self.functions.get(name, ()), *self.tables.get(name, ())]
+
+    def _called(self, file: str, receiver: str, attribute: str) -> list[_Entry]:
+        """What ``receiver.attribute(...)`` in ``file`` reaches: the imported module's function
+        when ``receiver`` names a module of the index, else every function so named."""
+        module = self.modules.get(file)
+        if module is not None and receiver and receiver not in module.defined:
+            source, member = module.imports.get(receiver, ("", ""))
+            dotted = source if member is None else f"{source}.{member}"
+            if dotted in self.files:
+                return self._name(self.files[dotted], attribute)
+        return self.functions.get(attribute, [])
+
+    def reached(self, node: ast.FunctionDef | ast.AsyncFunctionDef, file: str = "") -> list[_Entry]:
+        """Every definition ``node`` (of ``file``; "" when unknown) reaches, transitively
+        through the functions it calls, in a fixed order (``node`` itself left out)."""
+        start = _function(f"{file}::", node)
         seen: dict[str, _Entry] = {}
         todo = [start]
         while todo:
             entry = todo.pop()
             found = [
-                *(f for name in entry.names for f in self.functions.get(name, ())),
-                *(f for name in entry.calls for f in self.functions.get(name, ())),
+                *(d for name in entry.names for d in self._name(entry.file, name)),
+                *(
+                    f
+                    for receiver, name in entry.calls
+                    for f in self._called(entry.file, receiver, name)
+                ),
             ]
-            for function in found:
-                if function.where not in seen:
-                    seen[function.where] = function
-                    todo.append(function)
-            for name in entry.names:
-                seen.update((t.where, t) for t in self.tables.get(name, ()))
+            for definition in found:  # a table reaches nothing further: it has no names
+                if definition.where not in seen:
+                    seen[definition.where] = definition
+                    todo.append(definition)
             for name in entry.attributes:
                 seen.update((d.where, d) for d in self.defaults.get(name, ()))
         return [seen[where] for where in sorted(seen)]
 
-    def fingerprint(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
-        """A hash of ``node``'s syntax tree and of every definition it reaches: comments,
-        docstrings, formatting and position do not count."""
+    def fingerprint(self, node: ast.FunctionDef | ast.AsyncFunctionDef, file: str = "") -> str:
+        """A hash of ``node``'s syntax tree (of ``file``) and of every definition it reaches:
+        comments, docstrings, formatting and position do not count."""
         digest = hashlib.sha256(_dump(node).encode())
         # By qualified name, not file: moving a definition to another file changes no print.
-        reached = sorted((e.where.partition("::")[2], e.dump) for e in self.reached(node))
+        reached = sorted((e.where.partition("::")[2], e.dump) for e in self.reached(node, file))
         for where, dump in reached:
             if dump != _dump(node):
                 digest.update(b"\0" + where.encode() + b"\0" + dump.encode())

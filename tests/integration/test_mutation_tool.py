@@ -530,3 +530,62 @@ def test_a_name_is_followed_where_its_module_binds_it(tmp_path: Path) -> None:
     alone = _gate_print(tmp_path, unimported)
     (decide / "other.py").write_text(other.replace("return 1", "return 10"))
     assert _gate_print(tmp_path, unimported) == alone  # other.py's _close is another function
+
+
+def test_a_method_call_on_a_local_set_reaches_no_method_of_ours(tmp_path: Path) -> None:
+    """``seen.add(x)`` on a local every assignment makes a set (or dict, list, tuple) is the
+    builtin's method; ``state.add(x)`` on a parameter may be any class's ``add``, ours too."""
+    decide = tmp_path / "gpuwatchd" / "decide"
+    decide.mkdir(parents=True)
+    state = "class State:\n    def add(self, kind):\n        return 1\n"
+    (decide / "state.py").write_text(state)
+    gates = textwrap.dedent(
+        """
+        def gate(kind, state):
+            seen = set()
+            seen.add(kind)
+            found = {kind}
+            found |= {kind}
+            found.add(kind)
+            return OTHER
+
+
+        OTHER = 1
+        """
+    )
+    before = _gate_print(tmp_path, gates)
+    (decide / "state.py").write_text(state.replace("return 1", "return 10"))
+    assert _gate_print(tmp_path, gates) == before
+    for rebound in ("seen = load()", "for seen in kind: pass", "seen, other = kind"):
+        mixed = gates.replace("return OTHER", f"{rebound}\n    return OTHER")
+        (decide / "state.py").write_text(state)
+        mixed_before = _gate_print(tmp_path, mixed)
+        (decide / "state.py").write_text(state.replace("return 1", "return 10"))
+        assert _gate_print(tmp_path, mixed) != mixed_before, rebound
+    on_parameter = gates.replace("return OTHER", "state.add(kind)\n    return OTHER")
+    (decide / "state.py").write_text(state)
+    parameter_before = _gate_print(tmp_path, on_parameter)
+    (decide / "state.py").write_text(state.replace("return 1", "return 10"))
+    assert _gate_print(tmp_path, on_parameter) != parameter_before
+
+
+def test_a_table_computed_from_another_rests_on_it(tmp_path: Path) -> None:
+    """``LISTING = _where("listing")`` is what ``_where`` makes of ``KINDS``: a gate reading
+    ``LISTING`` is re-mutated when either changes, not only when that line does."""
+    gates = textwrap.dedent(
+        """
+        KINDS = {"a": "listing", "b": "memory"}
+        LISTING = _where("listing")
+
+
+        def _where(what):
+            return frozenset(k for k, v in KINDS.items() if v == what)
+
+
+        def gate(kind):
+            return kind in LISTING
+        """
+    )
+    before = _gate_print(tmp_path, gates)
+    assert _gate_print(tmp_path, gates.replace('"b": "memory"', '"b": "listing"')) != before
+    assert _gate_print(tmp_path, gates.replace("v == what", "v != what")) != before

@@ -2,14 +2,11 @@
 
 This module owns the fingerprint CI compares (``tests/mutation/fingerprints.json``): a hash of
 the function's syntax tree *and* of everything in ``gpuwatchd/decide/`` (and ``model.py``) it
-reaches by name: the functions and methods it calls, transitively, the module-level tables it
-reads, and the policy defaults (``decide/policy.py``'s dataclass fields) of the attributes it
-reads. A change to a callee or to a default therefore re-mutates the gate that depends on it;
-a function's own fingerprint alone would not. A plain name is followed as Python binds it in
-the function's module (its own definition, or the one its import names); ``module.f(...)`` of
-an imported module to that module's ``f``. A method call (``x.confirm_for``) and a name the
-module does not bind reach every function so named, and an attribute read every policy field:
-it may re-mutate more than needed, never less. It never runs anything.
+reaches: the functions it calls, transitively, the module-level tables it reads (and what
+they are computed from), the policy defaults of the fields it reads. A plain name is followed
+as its module binds it; ``module.f()`` to that module's ``f``; a method call to every function
+so named, unless on a local that only holds a builtin container. It may re-mutate more than
+needed, never less, and never runs anything (docs/architecture.md, "Mutation testing").
 """
 
 from __future__ import annotations
@@ -43,6 +40,45 @@ class _Entry:
         return self.where.partition("::")[0]
 
 
+# A local made only by these (or by a literal or comprehension) is a builtin container, whose
+# methods (``seen.add``) are none of ours.
+_CONTAINERS = frozenset({"set", "frozenset", "dict", "list", "tuple", "sorted"})
+_CONTAINER_NODES = (ast.Set, ast.Dict, ast.List, ast.Tuple, ast.SetComp, ast.DictComp, ast.ListComp)
+BUILTIN = "()"  # the receiver of a call on such a local
+
+
+def _container(value: ast.expr | None) -> bool:
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name):
+        return value.func.id in _CONTAINERS
+    return isinstance(value, _CONTAINER_NODES)
+
+
+def _containers(node: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    """The locals that every binding makes a builtin container: plain assignments of one
+    (``|=``, ``+=`` keep it one), never a parameter, a loop's or an unpacking's target."""
+    made: dict[str, bool] = {}
+    whole: set[int] = set()  # the Name nodes that are an assignment's whole target
+    for inner in ast.walk(node):
+        if isinstance(inner, ast.Assign | ast.AnnAssign):
+            targets = inner.targets if isinstance(inner, ast.Assign) else [inner.target]
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    whole.add(id(target))
+                    made[target.id] = made.get(target.id, True) and _container(inner.value)
+        elif isinstance(inner, ast.AugAssign) and isinstance(inner.target, ast.Name):
+            whole.add(id(inner.target))
+    for inner in ast.walk(node):
+        if isinstance(inner, ast.arg):
+            made[inner.arg] = False
+        elif (
+            isinstance(inner, ast.Name)
+            and isinstance(inner.ctx, ast.Store)
+            and id(inner) not in whole
+        ):
+            made[inner.id] = False
+    return {name for name, container in made.items() if container}
+
+
 def _function(where: str, node: ast.FunctionDef | ast.AsyncFunctionDef) -> _Entry:
     names, calls, attributes, local = set(), set(), set(), set()
     for inner in ast.walk(node):
@@ -55,16 +91,31 @@ def _function(where: str, node: ast.FunctionDef | ast.AsyncFunctionDef) -> _Entr
         elif isinstance(inner, ast.Attribute):
             attributes.add(inner.attr)
         if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute):
-            receiver = inner.func.value
-            calls.add((receiver.id if isinstance(receiver, ast.Name) else "", inner.func.attr))
+            on = inner.func.value
+            calls.add((on.id if isinstance(on, ast.Name) else "", inner.func.attr))
+    containers = _containers(node)
+
+    def receiver(name: str) -> str:
+        return BUILTIN if name in containers else "" if name in local else name
+
     # A local variable that shares a module function's name reaches nothing.
     return _Entry(
         where,
         _dump(node),
         frozenset(names - local),
-        frozenset((r if r not in local else "", a) for r, a in calls),
+        frozenset((receiver(r), a) for r, a in calls),
         frozenset(attributes),
     )
+
+
+def _table(where: str, value: ast.expr) -> _Entry:
+    """A module-level value, with the names it is computed from (``LISTING = _where(...)``
+    rests on ``_where`` and the table that reads)."""
+    read = {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}
+    bound = {
+        n.id for n in ast.walk(value) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+    }
+    return _Entry(where, _dump(value), names=frozenset(read - bound))
 
 
 @dataclass
@@ -161,11 +212,7 @@ class Dependencies:
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 for target in targets:
                     if isinstance(target, ast.Name):
-                        put(
-                            self.tables,
-                            target.id,
-                            _Entry(f"{file}::{target.id}", _dump(node.value)),
-                        )
+                        put(self.tables, target.id, _table(f"{file}::{target.id}", node.value))
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 for alias in node.names:
                     module.imports[alias.asname or alias.name] = (node.module, alias.name)
@@ -203,6 +250,8 @@ class Dependencies:
         """What ``receiver.attribute(...)`` in ``file`` reaches: the imported module's function
         when ``receiver`` names a module of the index, else every function so named."""
         module = self.modules.get(file)
+        if receiver == BUILTIN and module is not None and not module.bound & _CONTAINERS:
+            return []  # ``seen.add(...)`` of a local set: a method of no definition of ours
         if module is not None and receiver and receiver not in module.defined:
             source, member = module.imports.get(receiver, ("", ""))
             dotted = source if member is None else f"{source}.{member}"

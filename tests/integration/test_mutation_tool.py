@@ -556,7 +556,8 @@ def test_a_method_call_on_a_local_set_reaches_no_method_of_ours(tmp_path: Path) 
     before = _gate_print(tmp_path, gates)
     (decide / "state.py").write_text(state.replace("return 1", "return 10"))
     assert _gate_print(tmp_path, gates) == before
-    for rebound in ("seen = load()", "for seen in kind: pass", "seen, other = kind"):
+    rebinds = ("seen = load()", "for seen in kind: pass", "seen, other = kind", "global seen")
+    for rebound in rebinds:
         mixed = gates.replace("return OTHER", f"{rebound}\n    return OTHER")
         (decide / "state.py").write_text(state)
         mixed_before = _gate_print(tmp_path, mixed)

@@ -55,7 +55,8 @@ def _container(value: ast.expr | None) -> bool:
 
 def _containers(node: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
     """The locals that every binding makes a builtin container: plain assignments of one
-    (``|=``, ``+=`` keep it one), never a parameter, a loop's or an unpacking's target."""
+    (``|=``, ``+=`` keep it one), never a parameter, a loop's or an unpacking's target, nor a
+    name declared ``global`` or ``nonlocal``."""
     made: dict[str, bool] = {}
     whole: set[int] = set()  # the Name nodes that are an assignment's whole target
     for inner in ast.walk(node):
@@ -70,6 +71,8 @@ def _containers(node: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
     for inner in ast.walk(node):
         if isinstance(inner, ast.arg):
             made[inner.arg] = False
+        elif isinstance(inner, ast.Global | ast.Nonlocal):  # another scope may rebind it
+            made.update(dict.fromkeys(inner.names, False))
         elif (
             isinstance(inner, ast.Name)
             and isinstance(inner.ctx, ast.Store)

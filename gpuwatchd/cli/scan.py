@@ -286,7 +286,7 @@ def _collect(
         mig_minors_file=policy.mig_minors_file,
     )
     if view is not None:
-        collector.seed(view.holders, view.dead_listed)
+        collector.seed(view.holders, view.dead_listed, unknown=view.unknown)
     if state_dir is not None:
         collector.ended_by_scheduler = read_ended_jobs(
             state_dir, time.time(), waiting=procfs.is_running, boot_id=procfs.boot_id()

@@ -111,6 +111,7 @@ class Collector:
     last_scan_reason: FullScanReason | None = None
     _scan_state: FullScanState = field(default_factory=FullScanState)
     _known_holders: frozenset[int] = field(default_factory=frozenset)
+    _unknown_holders: frozenset[int] = field(default_factory=frozenset)  # unreadable last poll
     _held_minors: frozenset[int] = field(default_factory=frozenset)
     _said_unread: frozenset[int] = field(default_factory=frozenset)  # thread_tables_unread
     _facts: dict[int, ProcessInfo] = field(default_factory=dict)
@@ -189,11 +190,19 @@ class Collector:
         """The PIDs NVML listed dead or zombie at the last poll (the full-scan rule's memory)."""
         return self._scan_state.dead_listed
 
-    def seed(self, holders: frozenset[int], dead_listed: frozenset[int]) -> None:
+    def seed(
+        self,
+        holders: frozenset[int],
+        dead_listed: frozenset[int],
+        *,
+        unknown: frozenset[int] = frozenset(),
+    ) -> None:
         """Start from another collector's view of a poll that just happened (``scan`` beside a
         running daemon) instead of a first full scan: the next :meth:`collect` is targeted
-        unless the full-scan rule says otherwise."""
+        unless the full-scan rule says otherwise. ``unknown``: the PIDs that poll could not
+        read (rescanned as the holders are)."""
         self._known_holders = holders
+        self._unknown_holders = unknown
         self._scan_state = FullScanState(last_full=self.clock(), dead_listed=dead_listed)
 
     def _full_scan(
@@ -309,6 +318,9 @@ def _scan_holders(
     targets = set(poll.listed) | set(c._known_holders)
     files = c._stat_files
     targets |= c.procfs.descendants(targets, None if files is None else files.children)
+    # What the last poll could not read is read again (unknown until it can be, or is gone);
+    # not its descendants: an unknown PID 1 would make every poll a walk.
+    targets |= c._unknown_holders
     holders = c._targeted_scan(poll, sorted(targets - self_pids), live_listed)
     found = frozenset(holders.holdings) - self_pids
     if (reason := holder_gone(c._known_holders - self_pids, found)) is not None:
@@ -323,6 +335,7 @@ def _note_holders(c: Collector, poll: _Poll, holders: HolderScan) -> set[int]:
     ``EventName.COLLECT_THREAD_TABLES_UNREAD`` said once per process the scan stopped reading."""
     holding_pids = {pid for pid in holders.holdings if pid not in poll.self_pids}
     c._known_holders = frozenset(holding_pids)
+    c._unknown_holders = holders.unreadable - poll.self_pids
     said = {pid for pid in c._said_unread if os.path.exists(f"{c.procfs.root}/{pid}")}
     for pid in sorted(holders.thread_tables_unread - said):
         info = c._facts_seen.get(pid) or c.procfs.read_process(pid)

@@ -48,6 +48,15 @@ log = lazylog.get_logger()
 _Signature = tuple[int | None, int | None, int | None, int | None, str | None]
 
 
+class WalkDue(Exception):
+    """The full-scan rule asks for a walk of all of ``/proc`` (``reason``) of a collector that
+    may not walk (:attr:`Collector.may_walk` False: a scan the daemon answers declines)."""
+
+    def __init__(self, reason: FullScanReason) -> None:
+        super().__init__(reason.value)
+        self.reason = reason
+
+
 def _signature_of_info(info: ProcessInfo) -> _Signature:
     return (info.start_ticks, info.ppid, info.pgid, info.sid, info.comm)
 
@@ -106,6 +115,9 @@ class Collector:
     # Processes of a running daemon that a one-shot command (scan, check-clean) must count as
     # its own, as the daemon does: its NVML worker holds every GPU's device file.
     daemon_pids: frozenset[int] = frozenset()
+    # False: where the full-scan rule asks for a walk, collect raises WalkDue instead (a scan
+    # the daemon answers walks nothing in the daemon's loop: it declines).
+    may_walk: bool = True
     clock: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], float] = time.time
     last_scan_reason: FullScanReason | None = None
@@ -190,19 +202,27 @@ class Collector:
         """The PIDs NVML listed dead or zombie at the last poll (the full-scan rule's memory)."""
         return self._scan_state.dead_listed
 
+    @property
+    def held_minors(self) -> frozenset[int]:
+        """The GPU minors whose memory the last poll's holders own for the full-scan rule
+        (exempt from ``unowned_memory``: :func:`_note_holders`)."""
+        return self._held_minors
+
     def seed(
         self,
         holders: frozenset[int],
         dead_listed: frozenset[int],
         *,
         unknown: frozenset[int] = frozenset(),
+        held_minors: frozenset[int] = frozenset(),
     ) -> None:
         """Start from another collector's view of a poll that just happened (``scan`` beside a
         running daemon) instead of a first full scan: the next :meth:`collect` is targeted
         unless the full-scan rule says otherwise. ``unknown``: the PIDs that poll could not
-        read (rescanned as the holders are)."""
+        read (rescanned as the holders are); ``held_minors``: its :attr:`held_minors`."""
         self._known_holders = holders
         self._unknown_holders = unknown
+        self._held_minors = held_minors
         self._scan_state = FullScanState(last_full=self.clock(), dead_listed=dead_listed)
 
     def _full_scan(
@@ -310,6 +330,7 @@ def _scan_holders(
     c.last_scan_reason = reason
     self_pids = poll.self_pids
     if reason is not None:
+        _may_walk(c, reason)
         # Nothing remembered (the first poll, a one-shot scan): every fact was read this poll,
         # so a full scan need not read the listed processes a second time.
         return c._full_scan(poll, None if c._facts else live_listed)
@@ -324,10 +345,17 @@ def _scan_holders(
     holders = c._targeted_scan(poll, sorted(targets - self_pids), live_listed)
     found = frozenset(holders.holdings) - self_pids
     if (reason := holder_gone(c._known_holders - self_pids, found)) is not None:
+        _may_walk(c, reason)
         c.last_scan_reason = reason
         c._scan_state = dataclasses.replace(c._scan_state, last_full=poll.now)
         return c._full_scan(poll)
     return holders, live_listed
+
+
+def _may_walk(c: Collector, reason: FullScanReason) -> None:
+    """Raise :class:`WalkDue` where ``c`` may not walk all of /proc for ``reason``."""
+    if not c.may_walk:
+        raise WalkDue(reason)
 
 
 def _note_holders(c: Collector, poll: _Poll, holders: HolderScan) -> set[int]:

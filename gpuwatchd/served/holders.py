@@ -33,8 +33,10 @@ class HolderView:
     holder_ticks: Mapping[int, int | None]
     dead_listed: frozenset[int]
     watch_fd: int | None = None  # the daemon's inotify descriptor (guard.py asks it)
-    # Kept in memory only (not in the document): the PIDs the poll could not read.
+    # Kept in memory only (not in the document): the PIDs the poll could not read, and the
+    # GPU minors its holders own for the full-scan rule (Collector.held_minors).
     unknown: frozenset[int] = frozenset()
+    held_minors: frozenset[int] = frozenset()
 
     @classmethod
     def of(
@@ -51,6 +53,7 @@ class HolderView:
         start_ticks: Mapping[int, int | None],
         dead_listed: frozenset[int],
         watch_fd: int | None = None,
+        held_minors: frozenset[int] = frozenset(),
     ) -> HolderView:
         """The view of a poll: its ``holders`` less the daemon's own processes, with their
         ``start_ticks``, and the processes it could not read."""
@@ -60,6 +63,7 @@ class HolderView:
             boot_id, daemon_pid, daemon_start_ticks, worker_pids, polled, fresh_for, settings,
             frozenset(listed), {pid: start_ticks.get(pid) for pid in listed},
             frozenset(sorted(dead_listed)[:MAX_HOLDERS]), watch_fd, holders.unreadable - own,
+            held_minors,
         )  # fmt: skip
 
     def document(self, *, clean: bool = True) -> dict[str, object]:

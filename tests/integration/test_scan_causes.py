@@ -476,10 +476,10 @@ def test_a_scan_on_the_daemons_view_keeps_what_its_poll_could_not_read(
     view = HolderView.of(
         boot_id="b" * 36, daemon_pid=1, daemon_start_ticks=1, worker_pids=frozenset(),
         polled=0.0, fresh_for=60.0, settings=("/proc", "/dev", 195), holders=polled.holders,
-        start_ticks={}, dead_listed=daemon.dead_listed,
+        start_ticks={}, dead_listed=daemon.dead_listed, held_minors=daemon.held_minors,
     )  # fmt: skip
-    served = Collector(procfs, _OneGpu(), namespace_check=False)
-    served.seed(view.holders, view.dead_listed, unknown=view.unknown)
+    served = Collector(procfs, _OneGpu(), namespace_check=False, may_walk=False)
+    served.seed(view.holders, view.dead_listed, unknown=view.unknown, held_minors=view.held_minors)
     snapshot = served.collect()
     assert served.last_scan_reason is None
     assert (set(snapshot.holders.holdings), set(snapshot.holders.unreadable)) == ({500}, {600})

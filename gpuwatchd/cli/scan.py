@@ -17,7 +17,7 @@ from gpuwatchd.cli.report_text import render_text
 from gpuwatchd.cli.spare import mark_spared, spares_in_force
 from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.capabilities import missing_capabilities
-from gpuwatchd.collect.collector import Collector
+from gpuwatchd.collect.collector import Collector, WalkDue
 from gpuwatchd.collect.jobs import cgroup2_mount
 from gpuwatchd.collect.nvml import NvmlClient, NvmlSource
 from gpuwatchd.collect.procfs import ProcFS
@@ -153,10 +153,11 @@ def scan_host(
     """One collection, assessed and reported. ``nvml``: a client the caller started ahead and
     closes itself (else one is made here). Alone (``served`` None) it walks all of ``/proc``;
     ``why`` says why the daemon's view was not used. ``served``: the daemon's last poll, when
-    the daemon answers (:mod:`gpuwatchd.cli.served`): built on when current (:func:`_current`),
-    else no report and ``declined`` says why. StateDirError when the state directory exists
-    but cannot be trusted (a link on its path, another owner, writable by others): the caller
-    refuses (exit 78); one this user may not open is ``state_unread``, never "no state"."""
+    the daemon answers (:mod:`gpuwatchd.cli.served`): built on when current (:func:`_current`)
+    and the full-scan rule asks for no walk, else no report and ``declined`` says why.
+    StateDirError when the state directory exists but cannot be trusted (a link on its path,
+    another owner, writable by others): the caller refuses (exit 78); one this user may not
+    open is ``state_unread``, never "no state"."""
     saved = SavedState()
     try:
         state_dir: StateDir | None = StateDir.open(policy.state_dir)
@@ -205,6 +206,8 @@ def _scan_host(
         snapshot, collector = _collect(
             policy, state_dir, procfs, source, daemon_pids=daemon_pids, view=view
         )
+    except WalkDue as due:  # only where a view is used: the daemon walks nothing for a command
+        return ScanResult(None, declined=f"a walk of /proc is due ({due.reason.value})")
     finally:
         if own:
             client.stop()
@@ -248,7 +251,8 @@ def _current(
     if why is not None:
         return None, None, f"the daemon's holder view is not used: {why}"
     # A holder's PID that names another process now (its start ticks differ): the view does not
-    # vouch for it. Gone PIDs need no check here: the targeted scan misses them and walks.
+    # vouch for it. Gone PIDs need no check here: the targeted scan misses them (holder_gone),
+    # and the scan declines rather than walk (WalkDue).
     if any(
         (fields := procfs.read_stat(pid)) is not None and fields.starttime != ticks
         for pid, ticks in view.holder_ticks.items()
@@ -274,7 +278,8 @@ def _collect(
     view: HolderView | None,
 ) -> tuple[Snapshot, Collector]:
     """One snapshot by a collector set up as the daemon's: seeded with the daemon's holder view
-    when one is used (else a full walk), and told the jobs an epilog said have ended."""
+    when one is used (else a full walk), and told the jobs an epilog said have ended.
+    :class:`WalkDue` where a view is used and the full-scan rule asks for a walk."""
     collector = Collector(
         procfs,
         source,
@@ -283,10 +288,13 @@ def _collect(
         full_scan_interval=holder_view.MAX_FRESH,
         detection=policy.detection,
         daemon_pids=daemon_pids,
+        may_walk=view is None,
         mig_minors_file=policy.mig_minors_file,
     )
     if view is not None:
-        collector.seed(view.holders, view.dead_listed)
+        collector.seed(
+            view.holders, view.dead_listed, unknown=view.unknown, held_minors=view.held_minors
+        )
     if state_dir is not None:
         collector.ended_by_scheduler = read_ended_jobs(
             state_dir, time.time(), waiting=procfs.is_running, boot_id=procfs.boot_id()

@@ -48,6 +48,15 @@ log = lazylog.get_logger()
 _Signature = tuple[int | None, int | None, int | None, int | None, str | None]
 
 
+class WalkDue(Exception):
+    """The full-scan rule asks for a walk of all of ``/proc`` (``reason``) of a collector that
+    may not walk (:attr:`Collector.may_walk` False: a scan the daemon answers declines)."""
+
+    def __init__(self, reason: FullScanReason) -> None:
+        super().__init__(reason.value)
+        self.reason = reason
+
+
 def _signature_of_info(info: ProcessInfo) -> _Signature:
     return (info.start_ticks, info.ppid, info.pgid, info.sid, info.comm)
 
@@ -106,11 +115,15 @@ class Collector:
     # Processes of a running daemon that a one-shot command (scan, check-clean) must count as
     # its own, as the daemon does: its NVML worker holds every GPU's device file.
     daemon_pids: frozenset[int] = frozenset()
+    # False: where the full-scan rule asks for a walk, collect raises WalkDue instead (a scan
+    # the daemon answers walks nothing in the daemon's loop: it declines).
+    may_walk: bool = True
     clock: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], float] = time.time
     last_scan_reason: FullScanReason | None = None
     _scan_state: FullScanState = field(default_factory=FullScanState)
     _known_holders: frozenset[int] = field(default_factory=frozenset)
+    _unknown_holders: frozenset[int] = field(default_factory=frozenset)  # unreadable last poll
     _held_minors: frozenset[int] = field(default_factory=frozenset)
     _said_unread: frozenset[int] = field(default_factory=frozenset)  # thread_tables_unread
     _facts: dict[int, ProcessInfo] = field(default_factory=dict)
@@ -189,11 +202,27 @@ class Collector:
         """The PIDs NVML listed dead or zombie at the last poll (the full-scan rule's memory)."""
         return self._scan_state.dead_listed
 
-    def seed(self, holders: frozenset[int], dead_listed: frozenset[int]) -> None:
+    @property
+    def held_minors(self) -> frozenset[int]:
+        """The GPU minors whose memory the last poll's holders own for the full-scan rule
+        (exempt from ``unowned_memory``: :func:`_note_holders`)."""
+        return self._held_minors
+
+    def seed(
+        self,
+        holders: frozenset[int],
+        dead_listed: frozenset[int],
+        *,
+        unknown: frozenset[int] = frozenset(),
+        held_minors: frozenset[int] = frozenset(),
+    ) -> None:
         """Start from another collector's view of a poll that just happened (``scan`` beside a
         running daemon) instead of a first full scan: the next :meth:`collect` is targeted
-        unless the full-scan rule says otherwise."""
+        unless the full-scan rule says otherwise. ``unknown``: the PIDs that poll could not
+        read (rescanned as the holders are); ``held_minors``: its :attr:`held_minors`."""
         self._known_holders = holders
+        self._unknown_holders = unknown
+        self._held_minors = held_minors
         self._scan_state = FullScanState(last_full=self.clock(), dead_listed=dead_listed)
 
     def _full_scan(
@@ -301,6 +330,7 @@ def _scan_holders(
     c.last_scan_reason = reason
     self_pids = poll.self_pids
     if reason is not None:
+        _may_walk(c, reason)
         # Nothing remembered (the first poll, a one-shot scan): every fact was read this poll,
         # so a full scan need not read the listed processes a second time.
         return c._full_scan(poll, None if c._facts else live_listed)
@@ -309,13 +339,23 @@ def _scan_holders(
     targets = set(poll.listed) | set(c._known_holders)
     files = c._stat_files
     targets |= c.procfs.descendants(targets, None if files is None else files.children)
+    # What the last poll could not read is read again (unknown until it can be, or is gone);
+    # not its descendants: an unknown PID 1 would make every poll a walk.
+    targets |= c._unknown_holders
     holders = c._targeted_scan(poll, sorted(targets - self_pids), live_listed)
     found = frozenset(holders.holdings) - self_pids
     if (reason := holder_gone(c._known_holders - self_pids, found)) is not None:
+        _may_walk(c, reason)
         c.last_scan_reason = reason
         c._scan_state = dataclasses.replace(c._scan_state, last_full=poll.now)
         return c._full_scan(poll)
     return holders, live_listed
+
+
+def _may_walk(c: Collector, reason: FullScanReason) -> None:
+    """Raise :class:`WalkDue` where ``c`` may not walk all of /proc for ``reason``."""
+    if not c.may_walk:
+        raise WalkDue(reason)
 
 
 def _note_holders(c: Collector, poll: _Poll, holders: HolderScan) -> set[int]:
@@ -323,6 +363,7 @@ def _note_holders(c: Collector, poll: _Poll, holders: HolderScan) -> set[int]:
     ``EventName.COLLECT_THREAD_TABLES_UNREAD`` said once per process the scan stopped reading."""
     holding_pids = {pid for pid in holders.holdings if pid not in poll.self_pids}
     c._known_holders = frozenset(holding_pids)
+    c._unknown_holders = holders.unreadable - poll.self_pids
     said = {pid for pid in c._said_unread if os.path.exists(f"{c.procfs.root}/{pid}")}
     for pid in sorted(holders.thread_tables_unread - said):
         info = c._facts_seen.get(pid) or c.procfs.read_process(pid)

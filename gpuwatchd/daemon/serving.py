@@ -78,6 +78,7 @@ class ScanServing:
             start_ticks={pid: info.start_ticks for pid, info in snapshot.processes.items()},
             dead_listed=host.collector.dead_listed,
             watch_fd=host.device_watch.fileno(),
+            held_minors=host.collector.held_minors,
         )
         rewritten = self.view.publish(view.document())
         reply, asked = nvml.last_reply, nvml.last_asked_wall

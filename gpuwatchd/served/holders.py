@@ -33,6 +33,10 @@ class HolderView:
     holder_ticks: Mapping[int, int | None]
     dead_listed: frozenset[int]
     watch_fd: int | None = None  # the daemon's inotify descriptor (guard.py asks it)
+    # Kept in memory only (not in the document): the PIDs the poll could not read, and the
+    # GPU minors its holders own for the full-scan rule (Collector.held_minors).
+    unknown: frozenset[int] = frozenset()
+    held_minors: frozenset[int] = frozenset()
 
     @classmethod
     def of(
@@ -49,15 +53,17 @@ class HolderView:
         start_ticks: Mapping[int, int | None],
         dead_listed: frozenset[int],
         watch_fd: int | None = None,
+        held_minors: frozenset[int] = frozenset(),
     ) -> HolderView:
         """The view of a poll: its ``holders`` less the daemon's own processes, with their
-        ``start_ticks``."""
+        ``start_ticks``, and the processes it could not read."""
         own = {daemon_pid, *worker_pids}
         listed = sorted(pid for pid in holders.holdings if pid not in own)[:MAX_HOLDERS]
         return cls(
             boot_id, daemon_pid, daemon_start_ticks, worker_pids, polled, fresh_for, settings,
             frozenset(listed), {pid: start_ticks.get(pid) for pid in listed},
-            frozenset(sorted(dead_listed)[:MAX_HOLDERS]), watch_fd,
+            frozenset(sorted(dead_listed)[:MAX_HOLDERS]), watch_fd, holders.unreadable - own,
+            held_minors,
         )  # fmt: skip
 
     def document(self, *, clean: bool = True) -> dict[str, object]:

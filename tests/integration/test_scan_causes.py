@@ -12,12 +12,16 @@ cause can see (an fd passed over a Unix socket), by the backstop sweep:
 - a holder forks a child and exits (the child is re-parented away: ``holder_gone``);
 - a holder passes its fd over a Unix socket and keeps its own (no open, no descendant, no
   holder gone: found by the ``backstop`` walk, and only by it).
+
+And a process a walk could not read (an unknown holder) stays unknown at every targeted poll,
+and in a scan on the daemon's view, until it is read or gone.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import shutil
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -27,12 +31,15 @@ import pytest
 
 from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.devwatch import DeviceWatch
-from gpuwatchd.core.model import NvmlReading
+from gpuwatchd.collect.procfs import ProcFS
+from gpuwatchd.core.model import GpuInfo, NvmlReading
 from gpuwatchd.decide.full_scan import FullScanReason, FullScanState, full_scan_due, holder_gone
 from gpuwatchd.decide.policy import Detection
+from gpuwatchd.served.holders import HolderView
 from tests.support.children import HOLD_FD, Spawn
 from tests.support.collecting import fake_collector
 from tests.support.fakenvml import FakeNvml, gpu, state
+from tests.support.fakeproc import FakeProc, make_devices
 
 # --- the rule ---------------------------------------------------------------------------------
 
@@ -406,3 +413,73 @@ def test_an_fd_passed_over_a_socket_is_found_by_the_backstop(
     reason, holders = _poll(collector, clock)
     assert reason == "backstop"
     assert receiver.pid in holders
+
+
+# --- what a walk could not read ---------------------------------------------------------------
+
+
+class _OneGpu:
+    """An NVML source: one GPU, no processes listed."""
+
+    worker_pids: frozenset[int] = frozenset()
+
+    def read(self) -> NvmlReading:
+        return NvmlReading(available=True, gpus=(GpuInfo(index=0, uuid="GPU-0", minor=0),))
+
+
+@pytest.fixture
+def unknown_holder(tmp_path: Path) -> tuple[FakeProc, ProcFS]:
+    """A fake /proc: 500 holds nvidiactl, 600's fds cannot be read (its fd folder is a file:
+    ENOTDIR, as EACCES or a thread-table budget spent make it unknown on a host)."""
+    devices = make_devices(tmp_path / "dev")
+    fake = FakeProc(tmp_path / "proc")
+    fake.add(500, fds={3: str(devices / "nvidiactl")})
+    hidden = fake.add(600, comm="hidden")
+    shutil.rmtree(hidden / "fd")
+    (hidden / "fd").write_text("")
+    return fake, ProcFS(str(fake.root), devices_dir=str(devices))
+
+
+def test_a_process_a_walk_could_not_read_stays_unknown_at_every_targeted_poll(
+    unknown_holder: tuple[FakeProc, ProcFS],
+) -> None:
+    """What it holds is unknown, not nothing: the targeted polls after the walk read it again
+    (a verdict must not turn clean by not looking), and forget it once it is gone."""
+    fake, procfs = unknown_holder
+    clock = [1000.0]
+    collector = Collector(
+        procfs,
+        _OneGpu(),
+        namespace_check=False,
+        clock=lambda: clock[0],
+        wall_clock=lambda: clock[0],
+    )
+    polls = []
+    for _ in range(3):
+        snapshot = collector.collect()
+        polls.append((collector.last_scan_reason, sorted(snapshot.holders.unreadable)))
+        clock[0] += 2.0
+    assert polls == [(FullScanReason.FIRST, [600]), (None, [600]), (None, [600])]
+    fake.remove(600)
+    snapshot = collector.collect()
+    assert (collector.last_scan_reason, snapshot.holders.unreadable) == (None, frozenset())
+
+
+def test_a_scan_on_the_daemons_view_keeps_what_its_poll_could_not_read(
+    unknown_holder: tuple[FakeProc, ProcFS],
+) -> None:
+    """The view carries the unknown PIDs (in memory) to the collector of a served scan, seeded
+    as cli/scan.py seeds it: its targeted scan reads them again, as a walk would."""
+    _fake, procfs = unknown_holder
+    daemon = Collector(procfs, _OneGpu(), namespace_check=False)
+    polled = daemon.collect()
+    view = HolderView.of(
+        boot_id="b" * 36, daemon_pid=1, daemon_start_ticks=1, worker_pids=frozenset(),
+        polled=0.0, fresh_for=60.0, settings=("/proc", "/dev", 195), holders=polled.holders,
+        start_ticks={}, dead_listed=daemon.dead_listed, held_minors=daemon.held_minors,
+    )  # fmt: skip
+    served = Collector(procfs, _OneGpu(), namespace_check=False, may_walk=False)
+    served.seed(view.holders, view.dead_listed, unknown=view.unknown, held_minors=view.held_minors)
+    snapshot = served.collect()
+    assert served.last_scan_reason is None
+    assert (set(snapshot.holders.holdings), set(snapshot.holders.unreadable)) == ({500}, {600})

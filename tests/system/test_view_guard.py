@@ -3,8 +3,9 @@ file (issue 25).
 
 The guard (gpuwatchd/served/guard.py): the daemon's watch reads no event before the published view
 says dirty, and before it answers from its last poll's view the daemon asks its own inotify
-queue (``FIONREAD``) and that the watch covers every device file. In-process: the watch, the
-publisher and the check against this test's own inotify descriptor. End to end (hundreds of
+queue (``FIONREAD``) and that the watch covers every device file; where its full-scan rule
+asks for a walk, it declines rather than walk. In-process: the watch, the publisher and the
+check against this test's own inotify descriptor. End to end (hundreds of
 opens, each asked about at once): tests/system/test_scan_answered.py.
 """
 
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from bench.cli_scan import scan_pids
 from gpuwatchd.cli.scan import ScanResult, scan_host
 from gpuwatchd.core.model import HolderScan
 from gpuwatchd.decide.policy import Policy
@@ -34,6 +36,7 @@ from gpuwatchd.served.guard import (
     queued_bytes,
 )
 from gpuwatchd.state.directory import StateDir
+from tests.support.children import Spawn, hold
 
 DEVICES = ("nvidiactl", "nvidia-uvm", "nvidia0", "nvidia1")
 
@@ -248,5 +251,55 @@ def test_the_daemon_answers_only_from_a_current_view_and_reading(
         assert "another boot" in str(served(other, reading(0.0)).declined)
         os.close(os.open(devices / "nvidia0", os.O_RDONLY))
         assert "opened since the daemon's last walk" in str(served(view, reading(0.0)).declined)
+    finally:
+        watch.close()
+
+
+def test_the_daemon_declines_a_scan_its_rule_would_walk_for_and_answers_a_held_gpus(
+    host: tuple[Path, StateDir], spawn: Spawn
+) -> None:
+    """10 GiB allocated on GPU 0, no process listed: a walk is due (``unowned_memory``), which
+    the daemon does not do for a command (it would run in its loop, unseen by the watchdog): it
+    declines. While a holder of the view holds the GPU with nvidia-uvm (its held minors, as the
+    daemon's own rule exempts it), the scan is targeted and answered; once that holder is gone
+    the walk is due again (``holder_gone``): it declines."""
+    devices, state = host
+    holder = spawn(hold([str(devices / "nvidia0"), str(devices / "nvidia-uvm")]))  # unwatched
+    with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
+        boot = handle.read().strip()
+    policy = dataclasses.replace(Policy(), devices_dir=str(devices), state_dir=state.path)
+    publisher = ViewPublisher(lambda: state, lambda error: None)
+    watch = GuardedWatch(str(devices), publisher.mark_dirty)
+    assert watch.start()
+    settings = (policy.proc_root, str(devices), policy.device_major)
+    view = dataclasses.replace(_holder_view(watch), boot_id=boot, settings=settings)
+    memory = {"total": 80 << 30, "free": 70 << 30, "reserved": 0, "allocated": 10 << 30}
+    reading = nvml_view.encode(
+        boot_id=boot, daemon_pid=os.getpid(), daemon_start_ticks=1, read_at=time.time(),
+        polled=time.time(), interval=policy.interval,
+        reply={"driver_version": "550.54",
+               "gpus": [{"index": 0, "uuid": "GPU-0", "minor": 0, "memory": memory,
+                         "processes": []}]},
+    )  # fmt: skip
+
+    def served(view: holder_view.HolderView) -> ScanResult:
+        return scan_host(policy, served=ServedPoll(view, reading, watch, publisher))
+
+    try:
+        publisher.publish(_view(watch))
+        assert served(view).declined == "a walk of /proc is due (unowned_memory)"
+        held = dataclasses.replace(
+            view,
+            holders=frozenset({holder.pid}),
+            holder_ticks={holder.pid: None},
+            held_minors=frozenset({0}),
+        )
+        report = served(held).report
+        assert report is not None
+        assert report["daemon_view"]["scan_reason"] is None  # type: ignore[index]
+        assert holder.pid in scan_pids(report)
+        holder.kill()
+        holder.wait(timeout=10)
+        assert served(held).declined == "a walk of /proc is due (holder_gone)"
     finally:
         watch.close()

@@ -110,7 +110,7 @@ def spare_command(
 def _start_ticks(procfs: ProcFS, pid: int, boot_id: str | None, target: str) -> int:
     """The start time (clock ticks) of the process to spare, which ties the spare to it and
     not to a later process that reuses its PID; refused when it cannot be read, or the boot
-    it counts from is unknown."""
+    it counts from is unknown, or ``pid`` is a thread (the spare covers a process's PID)."""
     stat = procfs.read_stat(pid)
     if stat is None or boot_id is None:
         raise CliError(
@@ -118,6 +118,12 @@ def _start_ticks(procfs: ProcFS, pid: int, boot_id: str | None, target: str) -> 
             "nothing is spared",
             ExitCode.CONFIG,
         )
+    process = procfs.thread_group(pid)
+    if process != pid:
+        said = "which process it belongs to cannot be read (its status)"
+        if process is not None:
+            said = f"PID {pid} is a thread of process {process}: spare {process}"
+        raise CliError(f"spare {target}: {said}; nothing is spared", ExitCode.CONFIG)
     return stat.starttime
 
 

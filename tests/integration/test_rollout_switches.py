@@ -504,6 +504,33 @@ def test_spare_cli_records_the_process_start_time_lists_and_cancels(
         child.wait()
 
 
+def test_spare_of_a_thread_id_is_refused_naming_its_process(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A thread id (htop, ps -L) has its /proc/TID/stat, so its start time was read and the
+    spare written and said to hold; but a spare covers a process's PID: it spared nothing."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"state_dir: {tmp_path}/st\n")
+    code = "import threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); "
+    child = subprocess.Popen([sys.executable, "-c", code + "time.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 10
+        while not (threads := set(os.listdir(f"/proc/{child.pid}/task")) - {str(child.pid)}):
+            assert time.monotonic() < deadline, "the child's thread never started"
+            time.sleep(0.02)
+        thread = int(threads.pop())
+        args = ["spare", "--config", str(config), str(thread), "--for", "1h", "--reason", "r"]
+        assert main(args) == 78
+        assert capsys.readouterr().err == (
+            f"gpuwatchd: spare {thread}: PID {thread} is a thread of process {child.pid}: "
+            f"spare {child.pid}; nothing is spared\n"
+        )
+        assert not list(tmp_path.glob("st/spare-*"))
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_status_lists_the_daemons_spares() -> None:
     spares = [{"target": "job:slurm:42", "until": NOW + 120, "reason": "bench"}]
     result = _described_with_status(spares=spares)

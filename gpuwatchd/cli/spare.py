@@ -60,10 +60,12 @@ def spare_command(
     ``OSError`` (the state directory)."""
     procfs = ProcFS(policy.proc_root)
     now = time.time()
-    if listing or target is None:
+    if listing or (target, for_, reason, cancel) == (None, None, None, False):
         if target is not None or cancel:
             raise CliError("spare --list takes no target and no --cancel", ExitCode.CONFIG)
         return _list(policy, procfs, now, as_json=as_json)
+    if target is None:
+        raise _no_target(cancel=cancel)
     try:
         key, pid, job = parse_target(target)
     except ValueError as exc:
@@ -105,6 +107,16 @@ def spare_command(
         f"never signalled until then (the daemon reads it at its next poll){caveat}",
     )
     return ExitCode.OK
+
+
+def _no_target(*, cancel: bool) -> CliError:
+    """What is missing when --for, --reason or --cancel came without a target: that is never
+    a listing (only --list, or spare alone, is)."""
+    if cancel:
+        what = "--cancel needs a target (PID or job:ID): nothing is changed"
+    else:
+        what = "needs a target (PID or job:ID): nothing is spared"
+    return CliError(f"spare {what}", ExitCode.CONFIG)
 
 
 def _start_ticks(procfs: ProcFS, pid: int, boot_id: str | None, target: str) -> int:

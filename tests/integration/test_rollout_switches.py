@@ -504,6 +504,34 @@ def test_spare_cli_records_the_process_start_time_lists_and_cancels(
         child.wait()
 
 
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--for", "1h", "--reason", "debug"],
+         "spare needs a target (PID or job:ID): nothing is spared"),
+        (["--reason", "debug"], "spare needs a target (PID or job:ID): nothing is spared"),
+        (["--cancel"], "spare --cancel needs a target (PID or job:ID): nothing is changed"),
+        (["--list", "--cancel"], "spare --list takes no target and no --cancel"),
+        (["--list", "42"], "spare --list takes no target and no --cancel"),
+    ],
+)  # fmt: skip
+def test_spare_without_a_target_is_refused_naming_what_is_missing_not_a_listing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], said: str
+) -> None:
+    """--for and --reason without a target listed the spares and exited 0, and --cancel alone
+    was told it had given --list; only --list, or spare alone, lists."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"state_dir: {tmp_path}/st\n")
+    assert main(["spare", "--config", str(config), *args]) == 78
+    assert capsys.readouterr() == ("", f"gpuwatchd: {said}\n")
+    assert main(["spare", "--config", str(config)]) == 0
+    assert main(["spare", "--config", str(config), "--json"]) == 0
+    assert main(["spare", "--config", str(config), "--list"]) == 0
+    listed = capsys.readouterr().out  # spare alone and --list as text, --json as JSON
+    assert listed.startswith("no spares\n{")
+    assert listed.endswith("}\nno spares\n")
+
+
 def test_spare_of_a_thread_id_is_refused_naming_its_process(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

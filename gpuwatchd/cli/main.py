@@ -533,12 +533,12 @@ def _pause(args: argparse.Namespace) -> int:
             set_pause(state_dir, reason=args.reason, clock=clock, seconds=length)
             when = stamp(ends, zone=True)
             print(f"gpuwatchd: actions paused for {duration(length)}, until {when} ({path})")
-        else:
+        else:  # the pause is removed last: a write that fails before leaves it in force
             if args.reason:
                 note_resume(state_dir, args.reason)
-            set_pause(state_dir, reason=None)
             if args.clear_latches:
                 clear_latches(state_dir)
+            set_pause(state_dir, reason=None)
             print("gpuwatchd: actions resumed")
     return ExitCode.OK
 

@@ -5,6 +5,7 @@ itself, and NVML's availability as a state whose return is an event."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import subprocess
@@ -147,6 +148,24 @@ def test_resume_reason_is_said_once_and_then_consumed(state: StateDir, tmp_path:
     assert poll_pause(state, clock, max_pause=DAY).resumed == "gpuwatchd resume: upgrade done"
     assert not (tmp_path / RESUMED_FILE).exists()
     assert poll_pause(state, clock, max_pause=DAY).resumed == "gpuwatchd resume"
+
+
+def test_a_failed_clear_latches_request_leaves_the_pause_in_force_as_it_says(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """resume removed the pause, then failed to write the clear-latches request and said
+    'the switch is not changed': the daemon resumed, with its latches still set."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"state_dir: {tmp_path}/st\n")
+    assert main(["pause", "--config", str(config), "--for", "1h", "--reason", "x"]) == 0
+
+    def full_disk(state_dir: StateDir) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(pause, "clear_latches", full_disk)
+    assert main(["resume", "--config", str(config), "--clear-latches"]) == 74
+    assert "the switch is not changed" in capsys.readouterr().err
+    assert (tmp_path / "st" / PAUSE_FILE).exists()
 
 
 def test_pause_for_longer_than_max_pause_is_refused_and_nothing_changes(

@@ -232,6 +232,9 @@ def main(argv: Sequence[str] | None = None, *, declined: str | None = None) -> i
     args.declined = declined
     command: _Run = args.run
     try:
+        if args.config == "":  # no file: never read as "not given", the default file
+            why = f"--config: an empty path names no file (without --config: {DEFAULT_CONFIG_PATH})"
+            raise CliError(why, ExitCode.CONFIG)
         return command(args)
     except CliError as exc:
         print(f"gpuwatchd: {exc}", file=sys.stderr)

@@ -69,7 +69,8 @@ COMMAND_HELP: dict[str, tuple[str, dict[int, str]]] = {
         {
             0: "done",
             74: "the spare could not be written",
-            78: "a bad target or --for, no --reason, or 64 spares in force: nothing is spared",
+            78: "no target, a bad target or --for, no --reason, or 64 spares in force: nothing "
+            "is spared",
         },
     ),
     "reload": (

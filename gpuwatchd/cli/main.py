@@ -232,6 +232,9 @@ def main(argv: Sequence[str] | None = None, *, declined: str | None = None) -> i
     args.declined = declined
     command: _Run = args.run
     try:
+        if args.config == "":  # no file: never read as "not given", the default file
+            why = f"--config: an empty path names no file (without --config: {DEFAULT_CONFIG_PATH})"
+            raise CliError(why, ExitCode.CONFIG)
         return command(args)
     except CliError as exc:
         print(f"gpuwatchd: {exc}", file=sys.stderr)
@@ -533,12 +536,12 @@ def _pause(args: argparse.Namespace) -> int:
             set_pause(state_dir, reason=args.reason, clock=clock, seconds=length)
             when = stamp(ends, zone=True)
             print(f"gpuwatchd: actions paused for {duration(length)}, until {when} ({path})")
-        else:
+        else:  # the pause is removed last: a write that fails before leaves it in force
             if args.reason:
                 note_resume(state_dir, args.reason)
-            set_pause(state_dir, reason=None)
             if args.clear_latches:
                 clear_latches(state_dir)
+            set_pause(state_dir, reason=None)
             print("gpuwatchd: actions resumed")
     return ExitCode.OK
 

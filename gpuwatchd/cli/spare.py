@@ -60,10 +60,12 @@ def spare_command(
     ``OSError`` (the state directory)."""
     procfs = ProcFS(policy.proc_root)
     now = time.time()
-    if listing or target is None:
+    if listing or (target, for_, reason, cancel) == (None, None, None, False):
         if target is not None or cancel:
             raise CliError("spare --list takes no target and no --cancel", ExitCode.CONFIG)
         return _list(policy, procfs, now, as_json=as_json)
+    if target is None:
+        raise _no_target(cancel=cancel)
     try:
         key, pid, job = parse_target(target)
     except ValueError as exc:
@@ -107,10 +109,20 @@ def spare_command(
     return ExitCode.OK
 
 
+def _no_target(*, cancel: bool) -> CliError:
+    """What is missing when --for, --reason or --cancel came without a target: that is never
+    a listing (only --list, or spare alone, is)."""
+    if cancel:
+        what = "--cancel needs a target (PID or job:ID): nothing is changed"
+    else:
+        what = "needs a target (PID or job:ID): nothing is spared"
+    return CliError(f"spare {what}", ExitCode.CONFIG)
+
+
 def _start_ticks(procfs: ProcFS, pid: int, boot_id: str | None, target: str) -> int:
     """The start time (clock ticks) of the process to spare, which ties the spare to it and
     not to a later process that reuses its PID; refused when it cannot be read, or the boot
-    it counts from is unknown."""
+    it counts from is unknown, or ``pid`` is a thread (the spare covers a process's PID)."""
     stat = procfs.read_stat(pid)
     if stat is None or boot_id is None:
         raise CliError(
@@ -118,6 +130,12 @@ def _start_ticks(procfs: ProcFS, pid: int, boot_id: str | None, target: str) -> 
             "nothing is spared",
             ExitCode.CONFIG,
         )
+    process = procfs.thread_group(pid)
+    if process != pid:
+        said = "which process it belongs to cannot be read (its status)"
+        if process is not None:
+            said = f"PID {pid} is a thread of process {process}: spare {process}"
+        raise CliError(f"spare {target}: {said}; nothing is spared", ExitCode.CONFIG)
     return stat.starttime
 
 

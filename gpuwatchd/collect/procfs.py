@@ -209,6 +209,16 @@ class ProcFS:
         except OSError as err:
             return False if err.errno in GONE_ERRNOS else None
 
+    def thread_group(self, pid: int) -> int | None:
+        """The process ``pid`` belongs to (``Tgid`` of ``/proc/PID/status``): ``pid`` itself
+        for a process, another for a thread, whose ``/proc/TID`` exists though ``/proc`` does
+        not list it; None when unreadable."""
+        try:
+            found = _status_field(_read_text(f"{self.root}/{pid}/status"), "Tgid")
+            return int(found[0]) if len(found) == 1 else None
+        except (OSError, ValueError):
+            return None
+
     def is_running(self, pid: int, start_ticks: int) -> bool | None:
         """Whether ``pid`` is still the process started at ``start_ticks``, not exited (nor a
         zombie); None when its ``stat`` cannot be read (:meth:`stat_unless_gone`): unknown."""

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from gpuwatchd.config.peek import ancestors, conf_d, drop_in_names
 from gpuwatchd.config.yamlsrc import MAX_DOCUMENT_BYTES, ConfigError, line_of
-from gpuwatchd.core.escape import unescape_mount_path
+from gpuwatchd.core.escape import escape, unescape_mount_path
 
 # A node has a handful of drop-ins; more than this is a mistake (or a loop writing files), and
 # bounds the policy to MAX_DROP_INS + 1 files of MAX_DOCUMENT_BYTES each.
@@ -31,6 +31,9 @@ def read_policy_files(
     StrictModes (``check_permissions``; by default as root). ConfigError ("not found", ...)."""
     if check_permissions is None:
         check_permissions = os.geteuid() == 0
+    problem = _not_utf8_name(path)
+    if problem is not None:
+        raise problem
     if not os.path.lexists(path):
         read_config_file(path)  # raises the "not found" error
     drop_ins = find_drop_ins(path)
@@ -41,7 +44,8 @@ def read_policy_files(
 
 def find_drop_ins(main_file: str) -> list[str]:
     """The drop-ins beside ``main_file`` (:func:`drop_in_names` of its ``conf.d/``), as paths;
-    ConfigError for one that is not a regular file, or too many (docs/internals.md)."""
+    ConfigError for one that is not a regular file or whose name is not UTF-8, or too many
+    (docs/internals.md)."""
     folder = conf_d(main_file)
     try:
         paths = [os.path.join(folder, name) for name in drop_in_names(folder)]
@@ -53,10 +57,30 @@ def find_drop_ins(main_file: str) -> list[str]:
         raise ConfigError(
             f"more than {MAX_DROP_INS} drop-ins ({len(paths)} files named *.yaml)", path=folder
         )
-    problems = [problem for problem in map(_not_regular, paths) if problem is not None]
+    found = (_not_utf8_name(path) or _not_regular(path) for path in paths)
+    problems = [problem for problem in found if problem is not None]
     if problems:
         raise ConfigError.combine(problems)
     return paths
+
+
+def _not_utf8_name(path: str) -> ConfigError | None:
+    """A ConfigError for a path that is not UTF-8 (its bytes arrive as surrogate escapes),
+    naming it with those bytes escaped: a policy's file names are kept as UTF-8 text (the
+    saved policy's header, ``check-config``'s output), which could not hold it."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        try:
+            shown = os.fsencode(path).decode("utf-8", "backslashreplace")  # 10-r\xe4te.yaml
+        except UnicodeEncodeError:  # a lone surrogate no file system gave
+            shown = path
+        return ConfigError(
+            "the file name is not UTF-8 text; gpuwatchd keeps its policy files' names as text "
+            "(rename it)",
+            path=escape(shown),
+        )
+    return None
 
 
 def policy_files_key(main_file: str) -> tuple[object, ...]:

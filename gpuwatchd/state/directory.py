@@ -13,12 +13,15 @@ import fcntl
 import os
 import stat
 from collections.abc import Iterator
+from typing import BinaryIO
 
 LOCK_FILE = "lock"
 _PATH = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY
-_MAX_PROC_LOCKS = 1 << 20  # bytes of /proc/locks read
+# /proc/locks is read whole, a line at a time: the kernel lists newer locks first, so a cap
+# on the whole would let any user's own flocks push the daemon's long-held lock past it.
+_MAX_LOCK_LINE = 4096  # bytes of one line of it looked at (a line is under 100)
 _MAX_FDS = 4096  # fds of a lock holder looked at
 
 
@@ -282,15 +285,28 @@ class StateDir:
         None when nobody does or it cannot be told."""
         try:
             st = os.stat(LOCK_FILE, dir_fd=self.fd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                return None
             with open(os.path.join(proc_root, "locks"), "rb") as handle:
-                table = handle.read(_MAX_PROC_LOCKS)
+                for line in _lines(handle, _MAX_LOCK_LINE):
+                    found = _parse_lock_line(line.decode("ascii", "replace"))
+                    if found is None or found[1] != st.st_ino or found[0] <= 0:
+                        continue
+                    if _holds_flock(proc_root, found[0], st):
+                        return found[0]
         except OSError:
             return None
-        if not stat.S_ISREG(st.st_mode):
-            return None
-        lines = map(_parse_lock_line, table.decode("ascii", "replace").splitlines())
-        pids = [found[0] for found in lines if found is not None and found[1] == st.st_ino]
-        return next((pid for pid in pids if pid > 0 and _holds_flock(proc_root, pid, st)), None)
+        return None
+
+
+def _lines(handle: BinaryIO, most: int) -> Iterator[bytes]:
+    """The lines of ``handle`` one at a time, each cut at ``most`` bytes (the rest of a longer
+    one skipped): time in proportion to the file, memory bounded."""
+    while line := handle.readline(most):
+        rest = line
+        while not rest.endswith(b"\n") and (rest := handle.readline(most)):
+            pass  # the rest of a line longer than most
+        yield line
 
 
 def _parse_lock_line(text: str) -> tuple[int, int] | None:

@@ -282,6 +282,30 @@ def test_config_is_honoured_before_and_after_the_command(
     assert str(bad) in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [["check-config", "-q"], ["status"], ["reload"], ["spare"]])
+@pytest.mark.parametrize("before", [True, False])
+def test_an_empty_config_is_refused_not_read_as_the_default_file(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    command: list[str],
+    before: bool,
+) -> None:
+    """`--config ""` (an unset variable, `--config "$CONF"`) silently meant the default file:
+    check-config -q said OK of a file nobody named."""
+    import gpuwatchd.cli.check_clean
+
+    default = tmp_path / "gpuwatchd.yaml"
+    default.write_text(f"state_dir: {tmp_path}/st\n")
+    monkeypatch.setattr(gpuwatchd.cli.check_clean, "DEFAULT_CONFIG_PATH", str(default))
+    argv = ["--config", "", *command] if before else [*command, "--config", ""]
+    assert main(argv) == 78
+    said = capsys.readouterr()
+    assert said.out == ""
+    assert said.err.startswith("gpuwatchd: --config: an empty path names no file")
+    assert not (tmp_path / "st").exists()
+
+
 def test_a_closed_pipe_is_not_a_traceback(host: SimHost) -> None:
     host.nvml([gpu(0)])
     script = (

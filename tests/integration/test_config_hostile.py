@@ -347,6 +347,35 @@ def test_entries_not_named_like_drop_ins_are_ignored_whatever_they_are(tmp_path:
     assert outcome.sources == (str(main_file),)
 
 
+def test_a_drop_in_whose_name_is_not_utf8_is_an_error_naming_it_escaped(tmp_path: Path) -> None:
+    """Accepted, its name would reach the policy's sources and break every writer of them (the
+    saved policy, check-config's header): the daemon would die at start and at each reload."""
+    main_file = config_tree(tmp_path)
+    name = os.path.join(os.fsencode(tmp_path / "conf.d"), b"10-r\xe4te.yaml")  # Latin-1
+    with open(name, "wb") as handle:
+        handle.write(b"dry_run: true\n")
+    err = load_error(main_file)
+    assert err.path == f"{tmp_path}/conf.d/10-r\\xe4te.yaml"
+    assert "not UTF-8" in err.message
+    assert str(err).isascii()
+
+
+def test_a_main_file_whose_name_is_not_utf8_is_refused_by_check_config(tmp_path: Path) -> None:
+    main_file = os.path.join(os.fsencode(tmp_path), b"gpuwatchd-\xff.yaml")
+    with open(main_file, "wb") as handle:
+        handle.write(b"interval: 5s\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "gpuwatchd", "check-config", os.fsdecode(main_file)],
+        capture_output=True,
+        env={**os.environ, "PYTHONIOENCODING": "utf-8:strict"},
+        check=False,
+        timeout=60,
+    )
+    assert result.returncode == 78, result.stderr
+    assert b"gpuwatchd-\\xff.yaml: the file name is not UTF-8" in result.stderr
+    assert b"Traceback" not in result.stderr
+
+
 def test_too_many_drop_ins_are_refused(tmp_path: Path) -> None:
     from gpuwatchd.config.files import MAX_DROP_INS
 

@@ -147,6 +147,21 @@ def test_read_process_returns_none_for_a_missing_pid(fake: FakeProc) -> None:
     assert procfs.read_processes([999]) == {}
 
 
+@pytest.mark.parametrize(
+    ("tgid_line", "expected"),
+    [("Tgid:\t500\n", 500), ("Tgid:\t77\n", 77), ("Tgid:\tx\n", None), ("", None)],
+)
+def test_thread_group_is_the_tgid_of_status_and_none_when_unreadable(
+    fake: FakeProc, tgid_line: str, expected: int | None
+) -> None:
+    """A thread's /proc/TID exists (unlisted): its Tgid names the process it belongs to."""
+    base = fake.add(500)
+    (base / "status").write_text(f"Name:\tTgid: 9\n{tgid_line}Pid:\t500\n")
+    procfs = ProcFS(str(fake.root))
+    assert procfs.thread_group(500) == expected
+    assert procfs.thread_group(999) is None
+
+
 @pytest.mark.parametrize("stat", ["unparsable", "unreadable"])
 def test_read_process_keeps_unknown_fields_none(fake: FakeProc, stat: str) -> None:
     """A ``stat`` that cannot be parsed, or read for a reason other than "no such process"

@@ -5,6 +5,7 @@ itself, and NVML's availability as a state whose return is an event."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import subprocess
@@ -147,6 +148,24 @@ def test_resume_reason_is_said_once_and_then_consumed(state: StateDir, tmp_path:
     assert poll_pause(state, clock, max_pause=DAY).resumed == "gpuwatchd resume: upgrade done"
     assert not (tmp_path / RESUMED_FILE).exists()
     assert poll_pause(state, clock, max_pause=DAY).resumed == "gpuwatchd resume"
+
+
+def test_a_failed_clear_latches_request_leaves_the_pause_in_force_as_it_says(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """resume removed the pause, then failed to write the clear-latches request and said
+    'the switch is not changed': the daemon resumed, with its latches still set."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"state_dir: {tmp_path}/st\n")
+    assert main(["pause", "--config", str(config), "--for", "1h", "--reason", "x"]) == 0
+
+    def full_disk(state_dir: StateDir) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(pause, "clear_latches", full_disk)
+    assert main(["resume", "--config", str(config), "--clear-latches"]) == 74
+    assert "the switch is not changed" in capsys.readouterr().err
+    assert (tmp_path / "st" / PAUSE_FILE).exists()
 
 
 def test_pause_for_longer_than_max_pause_is_refused_and_nothing_changes(
@@ -499,6 +518,61 @@ def test_spare_cli_records_the_process_start_time_lists_and_cancels(
         assert main(["spare", "--config", str(config), "--cancel", str(child.pid)]) == 0
         assert main(["spare", "--config", str(config), "--list"]) == 0
         assert "no spares" in capsys.readouterr().out
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--for", "1h", "--reason", "debug"],
+         "spare needs a target (PID or job:ID): nothing is spared"),
+        (["--reason", "debug"], "spare needs a target (PID or job:ID): nothing is spared"),
+        (["--cancel"], "spare --cancel needs a target (PID or job:ID): nothing is changed"),
+        (["--list", "--cancel"], "spare --list takes no target and no --cancel"),
+        (["--list", "42"], "spare --list takes no target and no --cancel"),
+    ],
+)  # fmt: skip
+def test_spare_without_a_target_is_refused_naming_what_is_missing_not_a_listing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], said: str
+) -> None:
+    """--for and --reason without a target listed the spares and exited 0, and --cancel alone
+    was told it had given --list; only --list, or spare alone, lists."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"state_dir: {tmp_path}/st\n")
+    assert main(["spare", "--config", str(config), *args]) == 78
+    assert capsys.readouterr() == ("", f"gpuwatchd: {said}\n")
+    assert main(["spare", "--config", str(config)]) == 0
+    assert main(["spare", "--config", str(config), "--json"]) == 0
+    assert main(["spare", "--config", str(config), "--list"]) == 0
+    listed = capsys.readouterr().out  # spare alone and --list as text, --json as JSON
+    assert listed.startswith("no spares\n{")
+    assert listed.endswith("}\nno spares\n")
+
+
+def test_spare_of_a_thread_id_is_refused_naming_its_process(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A thread id (htop, ps -L) has its /proc/TID/stat, so its start time was read and the
+    spare written and said to hold; but a spare covers a process's PID: it spared nothing."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"state_dir: {tmp_path}/st\n")
+    code = "import threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); "
+    child = subprocess.Popen([sys.executable, "-c", code + "time.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 10
+        while not (threads := set(os.listdir(f"/proc/{child.pid}/task")) - {str(child.pid)}):
+            assert time.monotonic() < deadline, "the child's thread never started"
+            time.sleep(0.02)
+        thread = int(threads.pop())
+        args = ["spare", "--config", str(config), str(thread), "--for", "1h", "--reason", "r"]
+        assert main(args) == 78
+        assert capsys.readouterr().err == (
+            f"gpuwatchd: spare {thread}: PID {thread} is a thread of process {child.pid}: "
+            f"spare {child.pid}; nothing is spared\n"
+        )
+        assert not list(tmp_path.glob("st/spare-*"))
     finally:
         child.kill()
         child.wait()

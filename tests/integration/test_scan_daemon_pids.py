@@ -94,6 +94,39 @@ def test_the_lock_holder_and_its_worker_are_recognised(
     assert other not in found.pids
 
 
+def _fake_proc_locks(tmp_path: Path, state: StateDir, pid: int, before: list[str]) -> str:
+    """A proc root where ``pid`` holds ``state``'s lock through its fd 3, listed in
+    /proc/locks after the lines ``before`` (the kernel lists newer locks first)."""
+    root = tmp_path / "proc"
+    (root / str(pid) / "fdinfo").mkdir(parents=True)
+    (root / str(pid) / "fd").mkdir()
+    lock = Path(state.path) / "lock"
+    (root / str(pid) / "fd" / "3").symlink_to(lock)
+    ours = f"FLOCK  ADVISORY  WRITE {pid} 00:2a:{lock.stat().st_ino} 0 EOF"
+    (root / str(pid) / "fdinfo" / "3").write_text(f"pos:\t0\nflags:\t02\nlock:\t1: {ours}\n")
+    (root / "locks").write_text("".join(f"{line}\n" for line in [*before, f"99999: {ours}"]))
+    return str(root)
+
+
+def test_the_lock_holder_is_found_behind_any_number_of_other_locks(
+    tmp_path: Path, state: StateDir
+) -> None:
+    """Only the first MiB of /proc/locks was read: ~20,000 flocks any user takes on files of
+    their own, newer than the daemon's, hid it (reload: no daemon; scan: its NVML worker a
+    stranger). Read whole, a line at a time; a line too long is cut, not a reason to stop."""
+    lock = Path(state.path) / "lock"
+    lock.write_text("4242\n")
+    others = [f"{n}: FLOCK  ADVISORY  WRITE {200000 + n % 50} 00:2a:{7000000 + n} 0 EOF"
+              for n in range(1, 22_001)]  # fmt: skip
+    others.insert(5, "x" * 100_000)  # one line longer than any the kernel writes
+    # a candidate on the same inode that holds no descriptor of it: looked past
+    others.append(f"22001: FLOCK  ADVISORY  WRITE 4343 00:2a:{lock.stat().st_ino} 0 EOF")
+    root = _fake_proc_locks(tmp_path, state, 4242, others)
+    assert os.path.getsize(os.path.join(root, "locks")) > 1 << 20  # past the MiB once read
+    assert state.lock_holder(root) == 4242
+    assert state.lock_holder(_fake_proc_locks(tmp_path / "few", state, 4242, others[:3])) == 4242
+
+
 def test_a_gpuwatchd_that_holds_no_lock_hides_nothing(tmp_path: Path, state: StateDir) -> None:
     """What state.json says about the daemon's PID is not taken for it: without the lock, a
     process named gpuwatchd (anyone may name one so) is an ordinary process."""

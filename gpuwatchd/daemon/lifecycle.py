@@ -686,6 +686,8 @@ class Daemon:
         data = self.store.load()
         lost = self.store.discarded
         if data:
+            boot_id = self.procfs.boot_id()
+            rebooted = data.get("boot_id") != boot_id  # unknown: another boot's, as said
             try:
                 STATE.check(data)  # the version this code writes
                 raw = data.get("reset_in_progress")
@@ -695,13 +697,13 @@ class Daemon:
                         assess=AssessState.from_json(data.get("assess")),
                         plan=PlanState.from_json(data.get("plan")),
                         reset_in_progress=record,
-                    )
+                    ),
+                    rebooted=rebooted,
                 )
             except ValueError as exc:
                 log.error(EventName.STATE_INVALID, error=str(exc), path=self.policy.state_dir)
                 lost = self.store.discard_corrupt(str(exc))
-            boot_id = self.procfs.boot_id()
-            if data.get("boot_id") != boot_id:
+            if rebooted:
                 log.info(
                     EventName.STATE_NEW_BOOT, saved_boot_id=data.get("boot_id"), boot_id=boot_id
                 )

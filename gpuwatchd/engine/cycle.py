@@ -87,6 +87,7 @@ from gpuwatchd.events.catalogue import notification
 _IDENTITY = ("pid", "start_ticks")
 EXIT_GRACE = 0.01  # seconds to watch just-signalled targets before the checkpoint
 STATE_NOT_SAVED = "the state cannot be saved (state_dir full or unwritable)"
+REBOOTED = "the node rebooted since it was decided on"
 NOT_RECORDED = (
     "no reset record: the last run stopped or crashed before the reset's first step, "
     "or after its last one, before its outcome was booked"
@@ -159,6 +160,7 @@ class Engine:
         self.nvml_availability = NvmlAvailability()
         self.spares: tuple[Spare, ...] = ()  # ``gpuwatchd spare``: put into each snapshot
         self._spares_read = 0.0  # the wall time the spares' ends were read at (set_spares)
+        self._rebooted = False  # the state restored was saved in another boot
 
     def poll(self, inputs: PollInputs | None = None) -> PollReport:
         """One cycle (module docstring), from the admin switches to the checkpoint."""
@@ -285,9 +287,11 @@ class Engine:
             self.note_exits(self.actuator.exits(EXIT_GRACE))
         return carried
 
-    def restore(self, state: EngineState) -> None:
-        """Carry on from ``state`` (the state file's body, read at start before any poll)."""
+    def restore(self, state: EngineState, *, rebooted: bool = False) -> None:
+        """Carry on from ``state`` (the state file's body, read at start before any poll);
+        ``rebooted``: saved in another boot (its reset record is not resumed on the GPU)."""
         self.state = state
+        self._rebooted = rebooted
 
     def standing(self) -> Standing:
         """Where the engine stands now: what a checkpoint saves, inside a poll too."""
@@ -747,7 +751,7 @@ class Engine:
             self._resume(record, pause)
         flight = self.state.plan.reset_in_flight
         if flight is not None:
-            self._drop_in_flight(flight.gpu, NOT_RECORDED)
+            self._drop_in_flight(flight.gpu, REBOOTED if self._rebooted else NOT_RECORDED)
             self.checkpoint()
 
     def _drop_in_flight(self, gpu: str, why: str) -> None:
@@ -778,6 +782,7 @@ class Engine:
             runner=self.actuator.run_command,
             hostname=self.hostname,
             fabric_wait=self._wait_for_fabric,
+            rebooted=self._rebooted,
         )
         self.state.reset_in_progress = None
         self.checkpoint()
@@ -793,7 +798,8 @@ class Engine:
             needs_reboot=outcome.needs_reboot,
         )
         flight = self.state.plan.reset_in_flight
-        if flight is not None and flight.gpu == record.get("uuid"):
+        # Another boot's reset is over: the reboot ended it (as decide/plan's boot change).
+        if flight is not None and flight.gpu == record.get("uuid") and not self._rebooted:
             recoveries = map(from_record, as_list(record.get("mig_layout")))
             intent = ResetIntent(
                 gpu=flight.gpu,

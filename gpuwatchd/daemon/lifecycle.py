@@ -59,7 +59,7 @@ from gpuwatchd.served.guard import ServedPoll, early_poll_at
 from gpuwatchd.served.scan_socket import ScanAnswer, ScanRequest
 from gpuwatchd.state.accepted import render_accepted, save_accepted
 from gpuwatchd.state.compiled_policy import COMPILED_FILE, save_compiled
-from gpuwatchd.state.directory import AlreadyRunning, StateDir, StateDirError
+from gpuwatchd.state.directory import AlreadyRunning, StateDir, StateDirError, UntrustedFile
 from gpuwatchd.state.pause import (
     MAX_ENDED_JOBS,
     pause_in_force,
@@ -227,9 +227,10 @@ class Daemon:
                 log.error(EventName.DAEMON_ALREADY_RUNNING, detail=str(exc), state_dir=state_dir)
                 return ExitCode.TEMPFAIL
             except OSError as exc:
-                if exc.errno in (errno.EACCES, errno.EPERM):
+                # A lock file that fails the trust rule says EPERM too: that is state_dir's.
+                if exc.errno in (errno.EACCES, errno.EPERM) and not isinstance(exc, UntrustedFile):
                     raise  # run_daemon: exit 77
-                # The lock file is a link, a directory, or the disk refuses it.
+                # The lock file is a link, a directory, untrusted, or the disk refuses it.
                 log.critical(EventName.STATE_DIR_UNUSABLE, path=state_dir, error=_os_error(exc))
                 return ExitCode.CONFIG
             try:

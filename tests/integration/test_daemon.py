@@ -11,6 +11,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from gpuwatchd.act.reset_target import Commands, ResetTarget, progress_record
+from gpuwatchd.cli.run import run_daemon
 from gpuwatchd.config.files import policy_files_key
 from gpuwatchd.config.schema import default_policy
 from gpuwatchd.core.model import (
@@ -23,7 +24,7 @@ from gpuwatchd.core.model import (
     ProcessInfo,
     Snapshot,
 )
-from gpuwatchd.core.vocabulary import EventName, LadderStatus, Level, ResetStep
+from gpuwatchd.core.vocabulary import EventName, ExitCode, LadderStatus, Level, ResetStep
 from gpuwatchd.daemon.lifecycle import Daemon
 from gpuwatchd.daemon.notify import Notifier, describe_status
 from gpuwatchd.decide.assess.shared import Assessment
@@ -473,6 +474,29 @@ def test_a_readable_or_missing_state_starts_without_a_latch(
     daemon._load_state()
     assert not daemon.engine.state.plan.forced_dry_run
     assert [p.name for p in state_dir.iterdir()] == ([] if content is None else ["state.json"])
+
+
+@pytest.mark.parametrize("mode", [0o660, 0o606])
+def test_a_lock_file_that_fails_the_trust_rule_is_an_unusable_state_dir_exit_78(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], mode: int
+) -> None:
+    """docs/threat-model.md: a lock file writable by group or others is state_dir's fault
+    (exit 78, ``state.dir_unusable``), not a missing privilege (exit 77) though it says EPERM."""
+    monkeypatch.setattr(Daemon, "_run_locked", lambda self: 0)  # never polls
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    lock = state_dir / "lock"
+    lock.write_text("")
+    lock.chmod(mode)
+    policy = dataclasses.replace(default_policy(), state_dir=str(state_dir), dry_run=True)
+    code = run_daemon(
+        policy, config_path=str(tmp_path / "none.yaml"), dry_run=True, once=False,
+        once_timeout=1.0,
+    )  # fmt: skip
+    assert code == ExitCode.CONFIG
+    said = "".join(capfd.readouterr())  # run_daemon configures the log output itself
+    assert EventName.STATE_DIR_UNUSABLE in said
+    assert EventName.DAEMON_NO_PERMISSION not in said
 
 
 def test_a_state_dir_replaced_while_running_holds_every_action(tmp_path: Path) -> None:

@@ -38,6 +38,12 @@ REBOOTED = (
 )
 
 
+def of_another_boot(record: Mapping[str, object]) -> bool:
+    """Whether the state file that held ``record`` was saved in another boot: the start that
+    read it marks it (``"rebooted": true``), before it saves the state as this boot's."""
+    return record.get("rebooted") is True
+
+
 def _target_from(record: Mapping[str, object], hostname: str | None) -> ResetTarget | None:
     uuid = record.get("uuid")
     if not isinstance(uuid, str) or not uuid:
@@ -97,12 +103,11 @@ def resume_interrupted(
     runner: CommandRunner = run_command,
     hostname: str | None = None,
     fabric_wait: Callable[[ResetTarget, float], tuple[bool, str]] | None = None,
-    rebooted: bool = False,
 ) -> ResetOutcome | None:
     """Finish or undo a reset that a crash or stop interrupted (the record's commands, never
     the reset command again); None if nothing is left to do. ``hostname`` fills
-    ``{hostname}`` in an old record's commands; ``fabric_wait``: as :func:`perform_reset`'s;
-    ``rebooted``: the record is of another boot (:func:`_after_reboot`)."""
+    ``{hostname}`` in an old record's commands; ``fabric_wait``: as :func:`perform_reset`'s.
+    A record of another boot (:func:`of_another_boot`) runs no GPU command."""
     read = _read_back(record, reset, hostname)
     if read is None:
         return None
@@ -121,7 +126,7 @@ def resume_interrupted(
         step=step.value,
         **fields_of(proc, ("reset_started", "persistence_off")),
     )
-    if rebooted:
+    if of_another_boot(record):
         return _after_reboot(proc, step)
     if proc.persistence_off and commands.persistence_on is None:
         proc.notes.append("persistence mode could not be restored: the command cannot be built")
@@ -158,7 +163,8 @@ def _after_reboot(proc: Procedure, step: ResetStep) -> ResetOutcome:
     and took every MIG instance down, so no GPU command is run (no persistence mode, health
     check or re-create). Only what the reset did outside the GPU is undone: the monitors'
     units started, the after hooks run, with the recorded result (``refused`` before the
-    reset command; ``failed`` while the GPU was still to check: it is not checked)."""
+    reset command; ``failed`` while the GPU was still to check: it is not checked). Its own
+    records from here on (persistence mode not off, a result) run no GPU command either."""
     proc.persistence_off = False
     if not proc.reset_started:
         result = ResetResult.REFUSED

@@ -693,13 +693,16 @@ class Daemon:
                 STATE.check(data)  # the version this code writes
                 raw = data.get("reset_in_progress")
                 record = None if raw is None else dict(obj(raw, "reset_in_progress"))
+                if record is not None and rebooted:
+                    # Marked before the next save writes this boot's id: a crash before the
+                    # resume must not make it a record of this boot (act/reset_resume.py).
+                    record["rebooted"] = True
                 self.engine.restore(
                     EngineState(
                         assess=AssessState.from_json(data.get("assess")),
                         plan=PlanState.from_json(data.get("plan")),
                         reset_in_progress=record,
-                    ),
-                    rebooted=rebooted,
+                    )
                 )
             except ValueError as exc:
                 log.error(EventName.STATE_INVALID, error=str(exc), path=self.policy.state_dir)

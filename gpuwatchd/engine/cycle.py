@@ -15,7 +15,7 @@ from dataclasses import KW_ONLY, dataclass, field, replace
 from gpuwatchd.act.commands import CommandResult, PreparedHook, fill_hooks, run_hooks
 from gpuwatchd.act.evidence import EvidenceAction, EvidenceKeeper, Kept, Step
 from gpuwatchd.act.reset import perform_reset
-from gpuwatchd.act.reset_resume import resume_interrupted
+from gpuwatchd.act.reset_resume import of_another_boot, resume_interrupted
 from gpuwatchd.act.reset_target import ResetOutcome, ResetTarget, outcome_event, progress_record
 from gpuwatchd.core.checked import as_list, as_text
 from gpuwatchd.core.model import (
@@ -160,7 +160,6 @@ class Engine:
         self.nvml_availability = NvmlAvailability()
         self.spares: tuple[Spare, ...] = ()  # ``gpuwatchd spare``: put into each snapshot
         self._spares_read = 0.0  # the wall time the spares' ends were read at (set_spares)
-        self._rebooted = False  # the state restored was saved in another boot
 
     def poll(self, inputs: PollInputs | None = None) -> PollReport:
         """One cycle (module docstring), from the admin switches to the checkpoint."""
@@ -287,11 +286,9 @@ class Engine:
             self.note_exits(self.actuator.exits(EXIT_GRACE))
         return carried
 
-    def restore(self, state: EngineState, *, rebooted: bool = False) -> None:
-        """Carry on from ``state`` (the state file's body, read at start before any poll);
-        ``rebooted``: saved in another boot (its reset record is not resumed on the GPU)."""
+    def restore(self, state: EngineState) -> None:
+        """Carry on from ``state`` (the state file's body, read at start before any poll)."""
         self.state = state
-        self._rebooted = rebooted
 
     def standing(self) -> Standing:
         """Where the engine stands now: what a checkpoint saves, inside a poll too."""
@@ -751,7 +748,8 @@ class Engine:
             self._resume(record, pause)
         flight = self.state.plan.reset_in_flight
         if flight is not None:
-            self._drop_in_flight(flight.gpu, REBOOTED if self._rebooted else NOT_RECORDED)
+            rebooted = record is not None and of_another_boot(record)
+            self._drop_in_flight(flight.gpu, REBOOTED if rebooted else NOT_RECORDED)
             self.checkpoint()
 
     def _drop_in_flight(self, gpu: str, why: str) -> None:
@@ -782,7 +780,6 @@ class Engine:
             runner=self.actuator.run_command,
             hostname=self.hostname,
             fabric_wait=self._wait_for_fabric,
-            rebooted=self._rebooted,
         )
         self.state.reset_in_progress = None
         self.checkpoint()
@@ -799,7 +796,7 @@ class Engine:
         )
         flight = self.state.plan.reset_in_flight
         # Another boot's reset is over: the reboot ended it (as decide/plan's boot change).
-        if flight is not None and flight.gpu == record.get("uuid") and not self._rebooted:
+        if flight is not None and flight.gpu == record.get("uuid") and not of_another_boot(record):
             recoveries = map(from_record, as_list(record.get("mig_layout")))
             intent = ResetIntent(
                 gpu=flight.gpu,

@@ -534,7 +534,8 @@ def test_a_half_done_mig_recovery_of_another_boot_is_not_finished_after_the_rebo
 ) -> None:
     """A reboot takes every MIG instance down: the record the last boot left (its instance
     destroyed, the daemon killed before ``-cgi``) never re-creates it; only the same boot's
-    record does. The reset in flight is cleared, nothing booked."""
+    record does. The reset in flight is cleared, nothing booked. So too when the start that
+    read it saved the state as this boot's, then died before the resume."""
     dci = (_SMI, "mig", "-i", _UUID, "-gi", "1", "-ci", "0", "-dci")
     dgi = (_SMI, "mig", "-i", _UUID, "-gi", "1", "-dgi")
     commands = Commands(
@@ -560,6 +561,9 @@ def test_a_half_done_mig_recovery_of_another_boot_is_not_finished_after_the_rebo
         "reset_in_progress": progress_record(target, ResetStep.RESET, progress),
     }
     (state_dir / "state.json").write_bytes(STATE.encode(STATE.envelope(state)))
+    daemon._load_state()
+    assert daemon.save_state()  # the start's first save, before the resume: then it dies
+    daemon = Daemon(policy, config_path=str(tmp_path / "none.yaml"))
     daemon._load_state()
     actuator = Actuator()
     daemon.engine.actuator = actuator

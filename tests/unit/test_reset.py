@@ -554,9 +554,9 @@ def test_a_record_of_another_boot_runs_no_gpu_command_only_the_after_hooks(
 ) -> None:
     """The reboot reset the GPU and set its persistence mode afresh: a record the last boot
     left is undone outside the GPU only (no health check, no persistence mode), and says so."""
-    record = records_of(smi)[step]
+    record = {**records_of(smi)[step], "rebooted": True}  # as the start marks it
     env = FakeEnvironment(smi)
-    outcome = resume_interrupted(record, make_policy(smi), env, rebooted=True)
+    outcome = resume_interrupted(record, make_policy(smi), env)
     assert outcome is not None
     assert outcome.result == result
     assert smi.calls() == [AFTER]

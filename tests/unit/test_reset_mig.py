@@ -213,9 +213,9 @@ def test_a_crash_between_dgi_and_cgi_re_creates_the_instance_on_resume(smi: Fake
 def test_a_crash_between_dgi_and_cgi_in_another_boot_re_creates_nothing(smi: FakeSmi) -> None:
     """The reboot took every MIG instance down: the last boot's half-done recovery is not
     finished (no ``-cgi``, no health check), only its after hooks run."""
-    record = crashed_before(2, smi)
+    record = {**crashed_before(2, smi), "rebooted": True}  # as the start marks it
     env = FakeEnvironment(smi, rereads=[FREE])
-    outcome = resume_interrupted(record, mig_policy(smi), env, rebooted=True)
+    outcome = resume_interrupted(record, mig_policy(smi), env)
     assert outcome is not None
     assert outcome.result == "failed"
     assert smi_commands(smi) == []

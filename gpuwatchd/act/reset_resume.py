@@ -32,6 +32,17 @@ from gpuwatchd.decide.mig.recovery import (
 from gpuwatchd.decide.plan.monitors import UNIT_NAME
 from gpuwatchd.decide.policy import ResetPolicy
 
+REBOOTED = (
+    "the node rebooted since: no GPU command was run, only the monitors' units started "
+    "and the after hooks"
+)
+
+
+def of_another_boot(record: Mapping[str, object]) -> bool:
+    """Whether the state file that held ``record`` was saved in another boot: the start that
+    read it marks it (``"rebooted": true``), before it saves the state as this boot's."""
+    return record.get("rebooted") is True
+
 
 def _target_from(record: Mapping[str, object], hostname: str | None) -> ResetTarget | None:
     uuid = record.get("uuid")
@@ -95,7 +106,8 @@ def resume_interrupted(
 ) -> ResetOutcome | None:
     """Finish or undo a reset that a crash or stop interrupted (the record's commands, never
     the reset command again); None if nothing is left to do. ``hostname`` fills
-    ``{hostname}`` in an old record's commands; ``fabric_wait``: as :func:`perform_reset`'s."""
+    ``{hostname}`` in an old record's commands; ``fabric_wait``: as :func:`perform_reset`'s.
+    A record of another boot (:func:`of_another_boot`) runs no GPU command."""
     read = _read_back(record, reset, hostname)
     if read is None:
         return None
@@ -114,6 +126,8 @@ def resume_interrupted(
         step=step.value,
         **fields_of(proc, ("reset_started", "persistence_off")),
     )
+    if of_another_boot(record):
+        return _after_reboot(proc, step)
     if proc.persistence_off and commands.persistence_on is None:
         proc.notes.append("persistence mode could not be restored: the command cannot be built")
 
@@ -124,19 +138,42 @@ def resume_interrupted(
     if target.recovery is not None and step is ResetStep.RESET and proc.result is None:
         return _resume_recovery(proc, target.recovery, as_int(record.get("commands_done")))
 
-    # A MIG GPU's layout is created again after persistence mode is back on: a crash while it
-    # was turned on left the restore to do (it creates only what the GPU lacks).
-    restoring = bool(target.layout) and step is ResetStep.PERSISTENCE_ON
-    if (
-        step in (ResetStep.RESET, ResetStep.HEALTH_CHECK)
-        or proc.result is None
-        or (restoring and proc.result is ResetResult.SUCCESS)
-    ):
+    if proc.result is None or _to_check(proc, step):
         interrupted = f"interrupted at step {step.value} after the reset command started"
         return check_after_reset(proc, interrupted, resumed=True)
 
     reason = f"interrupted at step {step.value}; reset result was {proc.result}; finished"
     return proc.finish(proc.result, ResetStep.DONE, reason, undo=True)
+
+
+def _to_check(proc: Procedure, step: ResetStep) -> bool:
+    """Whether a reset interrupted after its command started, with a result recorded, had its
+    GPU still to check: the result is the reset command's, not the check's, or a MIG GPU's
+    layout was left to create again."""
+    # A MIG GPU's layout is created again after persistence mode is back on: a crash while it
+    # was turned on left the restore to do (it creates only what the GPU lacks).
+    restoring = bool(proc.target.layout) and step is ResetStep.PERSISTENCE_ON
+    return step in (ResetStep.RESET, ResetStep.HEALTH_CHECK) or (
+        restoring and proc.result is ResetResult.SUCCESS
+    )
+
+
+def _after_reboot(proc: Procedure, step: ResetStep) -> ResetOutcome:
+    """A record of another boot: the reboot reset the GPU, set its persistence mode afresh
+    and took every MIG instance down, so no GPU command is run (no persistence mode, health
+    check or re-create). Only what the reset did outside the GPU is undone: the monitors'
+    units started, the after hooks run, with the recorded result (``refused`` before the
+    reset command; ``failed`` while the GPU was still to check: it is not checked). Its own
+    records from here on (persistence mode not off, a result) run no GPU command either."""
+    proc.persistence_off = False
+    if not proc.reset_started:
+        result = ResetResult.REFUSED
+    elif proc.result is None or _to_check(proc, step):
+        result = ResetResult.FAILED
+    else:
+        result = proc.result
+    reason = f"interrupted at step {step.value} in another boot; {REBOOTED}"
+    return proc.finish(result, ResetStep.DONE, reason, undo=True)
 
 
 def _progress_from(proc: Procedure, record: Mapping[str, object]) -> None:

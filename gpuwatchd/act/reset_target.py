@@ -18,7 +18,13 @@ from gpuwatchd.core.vocabulary import (
     ResetResult,
     ResetStep,
 )
-from gpuwatchd.decide.argv import MAX_ARGS, MAX_COMMANDS, MAX_FILLED_CHARS, format_argv
+from gpuwatchd.decide.argv import (
+    MAX_ARGS,
+    MAX_COMMANDS,
+    MAX_FILLED_CHARS,
+    check_value,
+    format_argv,
+)
 from gpuwatchd.decide.mig.recovery import InstanceRecovery, layout_argvs, recovery_argvs
 from gpuwatchd.decide.plan.monitors import StoppableMonitor
 from gpuwatchd.decide.policy import MAX_HOOK_TIMEOUT, Hook, ResetPolicy
@@ -130,7 +136,7 @@ def prepare_commands(target: ResetTarget, policy: ResetPolicy) -> Commands | str
 def _unsafe(commands: Commands, target: ResetTarget) -> str | None:
     """Why ``commands`` must not run for ``target`` (built now, or read back from a record)."""
     key = "reset.command" if target.recovery is None else "reset.mig_recovery_commands"
-    names = [target.uuid] + ([target.pci_bus_id] if target.pci_bus_id else [])
+    names = _gpu_names(target)
     for reset in commands.reset + commands.restore:
         if not any(name in arg for arg in reset for name in names):
             # The last line of defence behind check-config: never a command that does not
@@ -143,6 +149,23 @@ def _unsafe(commands: Commands, target: ResetTarget) -> str | None:
     if len(commands.restore) != len(target.layout):
         return f"reset.mig_recovery_commands is empty: the MIG layout of {target.uuid} is lost"
     return None
+
+
+def _gpu_names(target: ResetTarget) -> list[str]:
+    """The names of ``target``'s GPU a reset command must hold: those in the format NVML
+    gives them (a record's are hostile: a UUID ``i`` is in ``-dgi``, a bus id ``0`` an index).
+    An argument may hold one with more around it (``--id={uuid}``, ``-i{uuid}``: check-config
+    accepts them); in its format, one cannot be there by chance."""
+    names = [("uuid", target.uuid), ("pci_bus_id", target.pci_bus_id)]
+    return [value for name, value in names if value is not None and _is_a(name, value)]
+
+
+def _is_a(name: str, value: str) -> bool:
+    try:
+        check_value(name, value)
+    except ValueError:
+        return False
+    return True
 
 
 def commands_from_record(raw: object, target: ResetTarget) -> Commands | str:

@@ -90,6 +90,7 @@ class EventName(_Name):
     RESET_DRY_RUN = "reset.dry_run"
     RESET_REFUSAL_CLEARED = "reset.refusal_cleared"
     RESET_MIG_UNFINISHED_CLEARED = "reset.mig_unfinished_cleared"
+    RESET_IN_FLIGHT_CLEARED = "reset.in_flight_cleared"
     GPU_NEEDS_REBOOT = "gpu.needs_reboot"
     # GPU health (decide/plan/decisions.py over decide/health/judge.py)
     HEALTH_DRAIN_STARTED = "health.drain_started"

@@ -59,7 +59,7 @@ from gpuwatchd.served.guard import ServedPoll, early_poll_at
 from gpuwatchd.served.scan_socket import ScanAnswer, ScanRequest
 from gpuwatchd.state.accepted import render_accepted, save_accepted
 from gpuwatchd.state.compiled_policy import COMPILED_FILE, save_compiled
-from gpuwatchd.state.directory import AlreadyRunning, StateDir, StateDirError
+from gpuwatchd.state.directory import AlreadyRunning, StateDir, StateDirError, UntrustedFile
 from gpuwatchd.state.pause import (
     MAX_ENDED_JOBS,
     pause_in_force,
@@ -227,9 +227,10 @@ class Daemon:
                 log.error(EventName.DAEMON_ALREADY_RUNNING, detail=str(exc), state_dir=state_dir)
                 return ExitCode.TEMPFAIL
             except OSError as exc:
-                if exc.errno in (errno.EACCES, errno.EPERM):
+                # A lock file that fails the trust rule says EPERM too: that is state_dir's.
+                if exc.errno in (errno.EACCES, errno.EPERM) and not isinstance(exc, UntrustedFile):
                     raise  # run_daemon: exit 77
-                # The lock file is a link, a directory, or the disk refuses it.
+                # The lock file is a link, a directory, untrusted, or the disk refuses it.
                 log.critical(EventName.STATE_DIR_UNUSABLE, path=state_dir, error=_os_error(exc))
                 return ExitCode.CONFIG
             try:
@@ -686,10 +687,16 @@ class Daemon:
         data = self.store.load()
         lost = self.store.discarded
         if data:
+            boot_id = self.procfs.boot_id()
+            rebooted = data.get("boot_id") != boot_id  # unknown: another boot's, as said
             try:
                 STATE.check(data)  # the version this code writes
                 raw = data.get("reset_in_progress")
                 record = None if raw is None else dict(obj(raw, "reset_in_progress"))
+                if record is not None and rebooted:
+                    # Marked before the next save writes this boot's id: a crash before the
+                    # resume must not make it a record of this boot (act/reset_resume.py).
+                    record["rebooted"] = True
                 self.engine.restore(
                     EngineState(
                         assess=AssessState.from_json(data.get("assess")),
@@ -700,8 +707,7 @@ class Daemon:
             except ValueError as exc:
                 log.error(EventName.STATE_INVALID, error=str(exc), path=self.policy.state_dir)
                 lost = self.store.discard_corrupt(str(exc))
-            boot_id = self.procfs.boot_id()
-            if data.get("boot_id") != boot_id:
+            if rebooted:
                 log.info(
                     EventName.STATE_NEW_BOOT, saved_boot_id=data.get("boot_id"), boot_id=boot_id
                 )

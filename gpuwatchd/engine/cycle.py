@@ -15,7 +15,7 @@ from dataclasses import KW_ONLY, dataclass, field, replace
 from gpuwatchd.act.commands import CommandResult, PreparedHook, fill_hooks, run_hooks
 from gpuwatchd.act.evidence import EvidenceAction, EvidenceKeeper, Kept, Step
 from gpuwatchd.act.reset import perform_reset
-from gpuwatchd.act.reset_resume import resume_interrupted
+from gpuwatchd.act.reset_resume import of_another_boot, resume_interrupted
 from gpuwatchd.act.reset_target import ResetOutcome, ResetTarget, outcome_event, progress_record
 from gpuwatchd.core.checked import as_list, as_text
 from gpuwatchd.core.model import (
@@ -87,6 +87,11 @@ from gpuwatchd.events.catalogue import notification
 _IDENTITY = ("pid", "start_ticks")
 EXIT_GRACE = 0.01  # seconds to watch just-signalled targets before the checkpoint
 STATE_NOT_SAVED = "the state cannot be saved (state_dir full or unwritable)"
+REBOOTED = "the node rebooted since it was decided on"
+NOT_RECORDED = (
+    "no reset record: the last run stopped or crashed before the reset's first step, "
+    "or after its last one, before its outcome was booked"
+)
 # A monitor sent SIGTERM (or already gone) lets go of the GPU; any other outcome is a failure.
 _LET_GO = frozenset({SignalOutcome.DELIVERED, SignalOutcome.GONE, SignalOutcome.ZOMBIE})
 
@@ -267,6 +272,10 @@ class Engine:
         carried: list[Intent] = []
         for intent in intents:
             if self.stopping():
+                # A reset handed over but never started books no outcome: not in flight.
+                for undone in intents[len(carried) :]:
+                    if isinstance(undone, ResetIntent):
+                        self._drop_in_flight(undone.gpu, "the daemon stopped before it started")
                 break
             self._carry_out(intent)
             carried.append(intent)
@@ -730,11 +739,37 @@ class Engine:
     def resume_interrupted_reset(self, pause: Pause | None = None) -> None:
         """Finish or undo the reset the last run left in progress (once, before the first
         poll), and book its outcome like any reset's: the plan's in-flight marker is cleared.
+        A marker that no record books is cleared too: nothing else ever would (every reset
+        would be refused as "another reset is in flight").
         ``pause``: the pause switch read before it (one set while the daemon was down holds
         the booked outcome's ``on_failure`` hooks as any pause does)."""
         record = self.state.reset_in_progress
-        if not record:
+        if record:
+            self._resume(record, pause)
+        flight = self.state.plan.reset_in_flight
+        if flight is not None:
+            rebooted = record is not None and of_another_boot(record)
+            self._drop_in_flight(flight.gpu, REBOOTED if rebooted else NOT_RECORDED)
+            self.checkpoint()
+
+    def _drop_in_flight(self, gpu: str, why: str) -> None:
+        """The plan's reset of ``gpu`` in flight is no longer, with no outcome booked (none
+        will come back: ``why``); said as ``EventName.RESET_IN_FLIGHT_CLEARED``."""
+        flight = self.state.plan.reset_in_flight
+        if flight is None or flight.gpu != gpu:
             return
+        self.state.plan = replace(self.state.plan, reset_in_flight=None)
+        self.emit(
+            EventName.RESET_IN_FLIGHT_CLEARED,
+            Level.WARNING,
+            gpu=gpu,
+            finding=flight.finding_key,
+            dry_run=flight.dry_run,
+            why=why,
+        )
+
+    def _resume(self, record: dict[str, object], pause: Pause | None) -> None:
+        """:meth:`resume_interrupted_reset` of ``record``, the progress record."""
         if pause is not None and pause.reason is not None:
             self.set_paused(pause.reason, until=pause.until)
         self.emit(EventName.RESET_RESUME, Level.WARNING, record=record)
@@ -760,7 +795,8 @@ class Engine:
             needs_reboot=outcome.needs_reboot,
         )
         flight = self.state.plan.reset_in_flight
-        if flight is not None and flight.gpu == record.get("uuid"):
+        # Another boot's reset is over: the reboot ended it (as decide/plan's boot change).
+        if flight is not None and flight.gpu == record.get("uuid") and not of_another_boot(record):
             recoveries = map(from_record, as_list(record.get("mig_layout")))
             intent = ResetIntent(
                 gpu=flight.gpu,

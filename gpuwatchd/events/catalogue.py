@@ -402,6 +402,8 @@ RESET_REFUSAL_CLEARED INFO: gpu finding in_use why
     A refused reset of {gpu} may be tried again{why}.
 RESET_MIG_UNFINISHED_CLEARED INFO: gpu instance gi why
     MIG GPU instance {gi} of {gpu} is no longer half done{why}.
+RESET_IN_FLIGHT_CLEARED WARNING: gpu finding dry_run why
+    The reset of {gpu} handed over has no outcome to book{why}; it is no longer in flight.
 HEALTH_DRAIN_WAITING INFO: FINDING blockers until
     The reset of {gpu} still waits for {blockers:items} (never signalled).
 HEALTH_DRAIN_TIMED_OUT CRITICAL: FINDING why blockers

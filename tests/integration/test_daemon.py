@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
+from gpuwatchd.act.reset_target import Commands, ResetTarget, progress_record
+from gpuwatchd.cli.run import run_daemon
 from gpuwatchd.config.files import policy_files_key
 from gpuwatchd.config.schema import default_policy
 from gpuwatchd.core.model import (
@@ -22,16 +24,20 @@ from gpuwatchd.core.model import (
     ProcessInfo,
     Snapshot,
 )
-from gpuwatchd.core.vocabulary import EventName, LadderStatus, Level
+from gpuwatchd.core.vocabulary import EventName, ExitCode, LadderStatus, Level, ResetStep
 from gpuwatchd.daemon.lifecycle import Daemon
 from gpuwatchd.daemon.notify import Notifier, describe_status
 from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.floor import reset_blockers
-from gpuwatchd.decide.plan.state import Ladder, PlanState
+from gpuwatchd.decide.mig.recovery import InstanceRecovery
+from gpuwatchd.decide.plan.state import Ladder, PlanState, ResetInFlight
 from gpuwatchd.decide.verdict import UNREADABLE
 from gpuwatchd.engine.edges import Pause, PollReport
 from gpuwatchd.events.catalogue import render
+from gpuwatchd.state.saved import STATE
+from tests.support.enginerig import Actuator, Clock, Reader, ghost_host
+from tests.support.resetrig import instance_gpu
 
 
 def snapshot(reading: NvmlReading) -> Snapshot:
@@ -470,6 +476,29 @@ def test_a_readable_or_missing_state_starts_without_a_latch(
     assert [p.name for p in state_dir.iterdir()] == ([] if content is None else ["state.json"])
 
 
+@pytest.mark.parametrize("mode", [0o660, 0o606])
+def test_a_lock_file_that_fails_the_trust_rule_is_an_unusable_state_dir_exit_78(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], mode: int
+) -> None:
+    """docs/threat-model.md: a lock file writable by group or others is state_dir's fault
+    (exit 78, ``state.dir_unusable``), not a missing privilege (exit 77) though it says EPERM."""
+    monkeypatch.setattr(Daemon, "_run_locked", lambda self: 0)  # never polls
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    lock = state_dir / "lock"
+    lock.write_text("")
+    lock.chmod(mode)
+    policy = dataclasses.replace(default_policy(), state_dir=str(state_dir), dry_run=True)
+    code = run_daemon(
+        policy, config_path=str(tmp_path / "none.yaml"), dry_run=True, once=False,
+        once_timeout=1.0,
+    )  # fmt: skip
+    assert code == ExitCode.CONFIG
+    said = "".join(capfd.readouterr())  # run_daemon configures the log output itself
+    assert EventName.STATE_DIR_UNUSABLE in said
+    assert EventName.DAEMON_NO_PERMISSION not in said
+
+
 def test_a_state_dir_replaced_while_running_holds_every_action(tmp_path: Path) -> None:
     """The daemon keeps its state_dir open: once the folder at that path is another (removed
     and made again), a `gpuwatchd pause` written there would go unseen, so nothing is read
@@ -483,3 +512,69 @@ def test_a_state_dir_replaced_while_running_holds_every_action(tmp_path: Path) -
         assert daemon._read_switches().pause == Pause("state_dir unusable")
     [said] = [e for e in logs if e["event"] == EventName.STATE_DIR_UNUSABLE]
     assert "replaced since the start" in said["error"]
+
+
+_UUID = "GPU-12345678-1234-1234-1234-123456789abc"
+_RECOVERY = InstanceRecovery(
+    uuid=_UUID, pci_bus_id="00000000:1A:00.0", gpu_index=0, gi=1, ci=0,
+    mig_uuid="MIG-12345678-1234-1234-1234-123456789abd", profile=19, placement=6, size=1,
+)  # fmt: skip
+_SMI = "/nonexistent/fake-smi"  # never run: the actuator only records
+_CGI = (_SMI, "mig", "-i", _UUID, "-cgi", "19:6", "-C")
+
+
+class _RebootedReader(Reader):
+    def read_gpu(self, uuid: str) -> GpuInfo | None:  # MIG mode on, the instance gone
+        return instance_gpu(_RECOVERY, present=False)
+
+
+@pytest.mark.parametrize("boot", ["another", "this"])
+def test_a_half_done_mig_recovery_of_another_boot_is_not_finished_after_the_reboot(
+    tmp_path: Path, boot: str
+) -> None:
+    """A reboot takes every MIG instance down: the record the last boot left (its instance
+    destroyed, the daemon killed before ``-cgi``) never re-creates it; only the same boot's
+    record does. The reset in flight is cleared, nothing booked. So too when the start that
+    read it saved the state as this boot's, then died before the resume."""
+    dci = (_SMI, "mig", "-i", _UUID, "-gi", "1", "-ci", "0", "-dci")
+    dgi = (_SMI, "mig", "-i", _UUID, "-gi", "1", "-dgi")
+    commands = Commands(
+        (dci, dgi, _CGI),
+        (_SMI, "-q", "-i", _UUID),
+        (_SMI, "-i", _UUID, "-pm", "0"),
+        (_SMI, "-i", _UUID, "-pm", "1"),
+    )
+    target = ResetTarget(_UUID, _RECOVERY.pci_bus_id, 0, None, recovery=_RECOVERY)
+    progress = {"commands": commands.record(), "persistence_off": False, "units_stopped": [],
+                "reset_started": True, "result": None, "commands_done": 2}  # fmt: skip
+    flight = ResetInFlight(_UUID, f"ghost_memory:{_RECOVERY.mig_uuid}", False, 100.0, 0.0)
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    policy = dataclasses.replace(default_policy(), state_dir=str(state_dir), dry_run=False)
+    daemon = Daemon(policy, config_path=str(tmp_path / "none.yaml"))
+    saved_boot = daemon.procfs.boot_id() if boot == "this" else "00000000-0000-0000-0000-0"
+    assert saved_boot is not None
+    state = {
+        "boot_id": saved_boot,
+        "assess": AssessState().to_json(),
+        "plan": dataclasses.replace(PlanState(), reset_in_flight=flight).to_json(),
+        "reset_in_progress": progress_record(target, ResetStep.RESET, progress),
+    }
+    (state_dir / "state.json").write_bytes(STATE.encode(STATE.envelope(state)))
+    daemon._load_state()
+    assert daemon.save_state()  # the start's first save, before the resume: then it dies
+    daemon = Daemon(policy, config_path=str(tmp_path / "none.yaml"))
+    daemon._load_state()
+    actuator = Actuator()
+    daemon.engine.actuator = actuator
+    daemon.engine.reader = _RebootedReader(Clock(), ghost_host)
+    with capture_logs() as logs:
+        daemon.engine.resume_interrupted_reset()
+    ran = [argv for argv, _ in actuator.commands]
+    assert (_CGI in ran) == (boot == "this")
+    assert daemon.engine.state.plan.reset_in_flight is None
+    if boot == "another":
+        assert ran == []
+        assert not [e for e in logs if e["event"] == EventName.RESET_OUTCOME]
+        (cleared,) = [e for e in logs if e["event"] == EventName.RESET_IN_FLIGHT_CLEARED]
+        assert cleared["why"] == "the node rebooted since it was decided on"

@@ -247,6 +247,47 @@ def test_an_interrupted_reset_is_booked_so_later_resets_are_not_refused_as_in_fl
     assert second.sink.named(EventName.RESET_SUCCEEDED)
 
 
+def test_a_stop_before_the_reset_starts_leaves_no_reset_in_flight() -> None:
+    """SIGTERM while the poll that hands a reset to act collects: the reset never starts and
+    books nothing, so the state the stop saves holds no in-flight marker (nothing would ever
+    clear it: every later reset would be refused as in flight)."""
+    pol = make_policy("reset: {confirm_for: 0s, cooldown: 1m}")
+    r = rig(pol, ghost_host)
+    r.engine.stopping = lambda: True
+    r.poll_at(0.0)
+    assert r.actuator.commands == []
+    assert r.engine.state.reset_in_progress is None
+    assert r.engine.state.plan.reset_in_flight is None
+    (cleared,) = r.sink.named(EventName.RESET_IN_FLIGHT_CLEARED)
+    assert cleared["gpu"] == GPU0
+    assert cleared["why"] == "the daemon stopped before it started"
+
+
+def test_a_reset_in_flight_with_no_record_is_cleared_at_start_and_resets_go_on() -> None:
+    """A crash before the reset's first record (or after its last, before the booking) leaves
+    the marker alone: the start clears it, books nothing, and a later reset runs."""
+    pol = make_policy("reset: {confirm_for: 0s, cooldown: 1m}")
+    first = rig(pol, ghost_host)
+
+    def crash(work: Callable[[], T]) -> T:
+        raise KeyboardInterrupt  # killed before the procedure's first step was recorded
+
+    first.engine.slow = crash
+    with contextlib.suppress(KeyboardInterrupt):
+        first.poll_at(0.0)
+    state = first.engine.state
+    assert state.plan.reset_in_flight is not None
+    assert state.reset_in_progress is None
+    second = rig(pol, ghost_host, state=state)
+    second.clock.now = 10.0
+    second.engine.resume_interrupted_reset()
+    assert second.engine.state.plan.reset_in_flight is None
+    assert [e["gpu"] for e in second.sink.named(EventName.RESET_IN_FLIGHT_CLEARED)] == [GPU0]
+    assert not second.sink.named(EventName.RESET_OUTCOME), "nothing is booked"
+    second.poll_at(100.0)
+    assert len(reset_commands(second)) == 1
+
+
 @pytest.mark.parametrize("paused", ["saved", "while the daemon was down"])
 def test_a_reset_that_fails_during_a_pause_runs_no_on_failure_hook_and_says_so(
     paused: str,

@@ -537,6 +537,33 @@ def test_resume_finishes_an_undo_that_was_interrupted(
     assert smi.calls() == expected_calls
 
 
+@pytest.mark.parametrize(
+    ("step", "result"),
+    [
+        ("drain", "refused"),
+        ("persistence_off", "refused"),
+        ("final_scan", "refused"),
+        ("reset", "failed"),  # not checked: never a success
+        ("health_check", "failed"),
+        ("persistence_on", "success"),  # the recorded result
+        ("after_hooks", "success"),
+    ],
+)
+def test_a_record_of_another_boot_runs_no_gpu_command_only_the_after_hooks(
+    smi: FakeSmi, step: str, result: str
+) -> None:
+    """The reboot reset the GPU and set its persistence mode afresh: a record the last boot
+    left is undone outside the GPU only (no health check, no persistence mode), and says so."""
+    record = {**records_of(smi)[step], "rebooted": True}  # as the start marks it
+    env = FakeEnvironment(smi)
+    outcome = resume_interrupted(record, make_policy(smi), env)
+    assert outcome is not None
+    assert outcome.result == result
+    assert smi.calls() == [AFTER]
+    assert "the node rebooted since: no GPU command was run" in outcome.reason
+    assert env.records[-1]["step"] == "done"
+
+
 def test_resume_after_the_reset_with_an_unhealthy_gpu_fails_and_needs_a_reboot(
     smi: FakeSmi,
 ) -> None:

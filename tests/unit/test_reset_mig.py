@@ -210,6 +210,19 @@ def test_a_crash_between_dgi_and_cgi_re_creates_the_instance_on_resume(smi: Fake
     assert "went on at command 3" in outcome.reason
 
 
+def test_a_crash_between_dgi_and_cgi_in_another_boot_re_creates_nothing(smi: FakeSmi) -> None:
+    """The reboot took every MIG instance down: the last boot's half-done recovery is not
+    finished (no ``-cgi``, no health check), only its after hooks run."""
+    record = {**crashed_before(2, smi), "rebooted": True}  # as the start marks it
+    env = FakeEnvironment(smi, rereads=[FREE])
+    outcome = resume_interrupted(record, mig_policy(smi), env)
+    assert outcome is not None
+    assert outcome.result == "failed"
+    assert smi_commands(smi) == []
+    assert "reread_gpu" not in env.calls
+    assert "the node rebooted since" in outcome.reason
+
+
 def test_a_reload_between_the_crash_and_the_resume_changes_none_of_its_commands(
     smi: FakeSmi,
 ) -> None:

@@ -149,6 +149,48 @@ def test_a_damaged_recorded_command_list_changes_nothing_and_is_failed(
     assert [e for e, _l, _f in env.events] == [EventName.RESET_RESUME_FAILED]
 
 
+@pytest.mark.parametrize(
+    ("uuid", "bus", "reset"),
+    [
+        ("i", None, ["nvidia-smi", "mig", "-dgi"]),  # every GPU instance of every GPU
+        ("reset", None, ["nvidia-smi", "--gpu-reset"]),  # every GPU
+        ("x", "0", ["nvidia-smi", "--gpu-reset", "-i", "0"]),  # GPU index 0, whichever it is
+        (UUID[:13], None, ["nvidia-smi", "--gpu-reset", "-i", UUID[:13]]),
+    ],
+    ids=["one-letter-uuid", "a-word", "an-index-for-bus-id", "a-uuid-prefix"],
+)
+def test_a_record_whose_gpu_names_are_not_a_gpus_never_names_its_gpu(
+    smi: FakeSmi, uuid: str, bus: str | None, reset: list[str]
+) -> None:
+    """The record's own UUID and bus id are hostile too: one not in NVML's format names no
+    GPU, however the reset command contains it (a substring test let ``-dgi`` through for a
+    UUID ``i``)."""
+    record = next(r for r in run_records(smi) if r["step"] == "reset")
+    commands = record["commands"]
+    assert isinstance(commands, dict)
+    commands["reset"] = [reset]
+    record.update(uuid=uuid, pci_bus_id=bus)
+    resume_fails_untouched(smi, record, make_policy(smi), "does not name GPU")
+
+
+@pytest.mark.parametrize(
+    "reset",
+    [["--id=" + UUID], ["-i" + UUID], ["-i", BUS], ["--gpu=pci:" + BUS]],
+    ids=["--id=", "-i-joined", "bus-id", "inside-an-argument"],
+)
+def test_a_gpu_name_in_its_format_is_found_in_any_spelling_check_config_accepts(
+    smi: FakeSmi, reset: list[str]
+) -> None:
+    record = next(r for r in run_records(smi) if r["step"] == "reset")
+    commands = record["commands"]
+    assert isinstance(commands, dict)
+    commands["reset"] = [[smi.argv()[0], "--gpu-reset", *reset]]
+    outcome = resume_interrupted(record, make_policy(smi), FakeEnvironment(smi))
+    assert outcome is not None
+    assert "does not name GPU" not in outcome.reason
+    assert outcome.result == "success", outcome.reason
+
+
 @pytest.mark.parametrize("commands", [None, [], "x", {}])
 def test_recorded_commands_that_are_not_an_object_are_damaged(
     smi: FakeSmi, commands: object

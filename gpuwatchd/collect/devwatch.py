@@ -122,7 +122,8 @@ class DeviceWatch:
                     opened += 1
         rewatched = 0
         if rewatch or self._stale:
-            rewatched = self._watch_present(created)
+            # Lost events may have been a replaced file's IN_CREATE: watch each one again.
+            rewatched = self._watch_present(created, again=overflow)
         return WatchNews(
             available=not self._incomplete,
             changed=bool(opened or overflow or rewatched or rewatch),
@@ -141,9 +142,10 @@ class DeviceWatch:
         wd = self._add(path, IN_CREATE | IN_MOVED_TO | IN_ONLYDIR)
         return wd if wd >= 0 else None
 
-    def _watch_present(self, created: Collection[str] = ()) -> int:
+    def _watch_present(self, created: Collection[str] = (), *, again: bool = False) -> int:
         """Watch every device file in the folder not watched yet, and those ``created`` anew
-        (a replaced file's name alone does not say it is watched); how many were added."""
+        (a replaced file's name alone does not say it is watched), or with ``again`` every one
+        (a file already watched keeps its watch); how many new watches were added."""
         self._stale = False
         if self._folder_wd is None:
             self._folder_wd = self._add_folder(self.devices_dir)
@@ -167,13 +169,15 @@ class DeviceWatch:
         added = 0
         self._incomplete = self._stale = unwatched
         for name in names:
-            if (name in watched and name not in created) or match_device_name(name) is None:
+            if match_device_name(name) is None:
+                continue
+            if name in watched and name not in created and not again:
                 continue
             wd = self._add(f"{self.devices_dir}/{name}", IN_OPEN)
             if wd >= 0:
-                # The kernel returns the same wd for a path already watched: keep one entry.
+                # The kernel returns the same wd for a file already watched: keep one entry.
+                added += wd not in self._files
                 self._files[wd] = name
-                added += 1
             else:
                 # Gone again, or the watch limit: try next time; until then its opens go unseen.
                 self._stale = self._incomplete = True

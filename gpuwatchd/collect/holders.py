@@ -435,7 +435,7 @@ class HolderScanner:
             if fields is False or fields.kernel_thread:
                 return None, False
             if fields.state == "Z" and fields.num_threads > 1 and not unreadable:
-                return self._scan_live_thread(pid, by_inode)
+                return self._scan_live_thread(pid, found, by_inode)
         return found, unreadable
 
     def _scan_thread_tables(self, pid: int, base: str, found: _Found) -> bool:
@@ -477,8 +477,11 @@ class HolderScanner:
                 tables.insert(place[0], tid)
         return complete
 
-    def _scan_live_thread(self, pid: int, by_inode: _ByInode) -> tuple[_Found | None, bool]:
-        found = _Found()
+    def _scan_live_thread(
+        self, pid: int, found: _Found, by_inode: _ByInode
+    ) -> tuple[_Found | None, bool]:
+        """Add what a live thread of the zombie leader ``pid`` holds (the shared fd table and
+        the memory) to ``found``, which keeps what the threads' own tables held."""
         try:
             tids = [t for t in os.listdir(f"{self.procfs.root}/{pid}/task") if t != str(pid)]
         except OSError:

@@ -358,6 +358,36 @@ def test_threads_sharing_the_leaders_table_add_nothing(spawn: Spawn, devices: Pa
     assert not shared.ctl
 
 
+# A plain thread first (the lowest tid, sharing the leader's table), then one with a table of its
+# own holding the device file; then the leader alone exits (SYS_exit): Z, two threads live.
+ZOMBIE_OWN_TABLE = """
+import threading
+plain_up = threading.Event()
+threading.Thread(target=lambda: (plain_up.set(), time.sleep(60)), daemon=True).start()
+plain_up.wait()
+{own_table}
+print('ready', flush=True)
+ctypes.CDLL(None).syscall({sys_exit}, 0)
+"""
+
+
+@pytest.mark.skipif(SYS_EXIT is None, reason="exit(2) syscall number unknown on this machine")
+def test_a_zombie_leaders_thread_holding_a_device_in_a_table_of_its_own_is_a_holder(
+    spawn: Spawn, devices: Path
+) -> None:
+    """A zombie leader is read through its first live thread; what the other threads' own
+    tables hold is added to that, not dropped (before: the walk read the table holding
+    /dev/nvidia0, then returned the first thread's findings alone, and missed the holder)."""
+    own_table = OWN_TABLE.format(clone_files=CLONE_FILES, path=str(devices / "nvidia0"), leader="")
+    body = ZOMBIE_OWN_TABLE.format(own_table=own_table, sys_exit=SYS_EXIT)
+    child = spawn(HOLD_FD.format(body=body).replace('print("ready", flush=True)\n', "", 1))
+    holders = scanner(devices_dir=str(devices))
+    wait_for_state(holders.procfs, child.pid, "Z")
+    scan = holders.scan([child.pid])
+    assert scan.holdings[child.pid].gpu_minors_fd == {0}
+    assert child.pid not in scan.unreadable
+
+
 # --- the scan's cost in threads with tables of their own (issue 34, finding 10) ------------------
 
 

@@ -259,6 +259,35 @@ def test_lost_events_are_news(watched: tuple[DeviceWatch, Path]) -> None:
     assert news.changed
 
 
+def test_a_device_file_replaced_during_lost_events_is_watched(
+    watched: tuple[DeviceWatch, Path],
+) -> None:
+    """An overflow may have dropped a replaced file's IN_CREATE, and its name is still
+    watched (the old file, held open, keeps its watch): each device file is watched again
+    (before: opens of the new file went unseen while the watch said available)."""
+    watch, folder = watched
+    try:
+        limit = int(Path("/proc/sys/fs/inotify/max_queued_events").read_text())
+    except (OSError, ValueError):
+        pytest.skip("max_queued_events unknown")
+    if limit > 100_000:
+        pytest.skip("queue too long to overflow quickly")
+    held = os.open(folder / "nvidia0", os.O_RDONLY)
+    try:
+        paths = (folder / "nvidiactl", folder / "nvidia-uvm")  # alternate: equal events coalesce
+        for at in range(limit + 10):
+            os.close(os.open(paths[at % 2], os.O_RDONLY))
+        (folder / "nvidia0").unlink()
+        (folder / "nvidia0").touch()  # its IN_CREATE is lost
+        news = watch.drain()
+        assert news.overflow
+        assert news.rewatched == 1  # the new nvidia0; the others keep their watches
+        os.close(os.open(folder / "nvidia0", os.O_RDONLY))
+        assert watch.drain().opened == 1
+    finally:
+        os.close(held)
+
+
 def test_without_inotify_the_watch_says_so() -> None:
     watch = DeviceWatch("/nonexistent-folder")
     news = watch.drain()  # never started

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+import structlog
 from structlog.testing import capture_logs
 
 from gpuwatchd.act.reset_target import Commands, ResetTarget, progress_record
@@ -489,10 +490,13 @@ def test_a_lock_file_that_fails_the_trust_rule_is_an_unusable_state_dir_exit_78(
     lock.write_text("")
     lock.chmod(mode)
     policy = dataclasses.replace(default_policy(), state_dir=str(state_dir), dry_run=True)
-    code = run_daemon(
-        policy, config_path=str(tmp_path / "none.yaml"), dry_run=True, once=False,
-        once_timeout=1.0,
-    )  # fmt: skip
+    try:
+        code = run_daemon(
+            policy, config_path=str(tmp_path / "none.yaml"), dry_run=True, once=False,
+            once_timeout=1.0,
+        )  # fmt: skip
+    finally:  # it configures structlog for the whole process: the next test's must not see it
+        structlog.reset_defaults()
     assert code == ExitCode.CONFIG
     said = "".join(capfd.readouterr())  # run_daemon configures the log output itself
     assert EventName.STATE_DIR_UNUSABLE in said

@@ -243,14 +243,20 @@ def test_a_folder_that_cannot_be_listed_leaves_the_watch_incomplete_until_it_is(
     assert watch.drain().opened == 1
 
 
-def test_lost_events_are_news(watched: tuple[DeviceWatch, Path]) -> None:
-    watch, folder = watched
+def _queue_limit() -> int:
+    """The inotify queue's length, when it is short enough to overflow quickly."""
     try:
         limit = int(Path("/proc/sys/fs/inotify/max_queued_events").read_text())
     except (OSError, ValueError):
         pytest.skip("max_queued_events unknown")
     if limit > 100_000:
         pytest.skip("queue too long to overflow quickly")
+    return limit
+
+
+def test_lost_events_are_news(watched: tuple[DeviceWatch, Path]) -> None:
+    watch, folder = watched
+    limit = _queue_limit()
     paths = (folder / "nvidia0", folder / "nvidiactl")  # alternate: equal events coalesce
     for at in range(limit + 10):
         os.close(os.open(paths[at % 2], os.O_RDONLY))
@@ -266,12 +272,7 @@ def test_a_device_file_replaced_during_lost_events_is_watched(
     watched (the old file, held open, keeps its watch): each device file is watched again
     (before: opens of the new file went unseen while the watch said available)."""
     watch, folder = watched
-    try:
-        limit = int(Path("/proc/sys/fs/inotify/max_queued_events").read_text())
-    except (OSError, ValueError):
-        pytest.skip("max_queued_events unknown")
-    if limit > 100_000:
-        pytest.skip("queue too long to overflow quickly")
+    limit = _queue_limit()
     held = os.open(folder / "nvidia0", os.O_RDONLY)
     try:
         paths = (folder / "nvidiactl", folder / "nvidia-uvm")  # alternate: equal events coalesce

@@ -211,12 +211,11 @@ def test_an_open_wakes_the_daemon_for_a_walk_no_sooner_than_the_gap() -> None:
     assert early_poll_at(49.9, 50.0, 0.2) == pytest.approx(50.1)
 
 
-def test_the_daemon_answers_only_from_a_current_view_and_reading(
-    host: tuple[Path, StateDir],
-) -> None:
-    """The daemon's served scan (cli/scan.py, handed its last poll) answers only from a current
-    view and reading; otherwise it gives no report, only why (and the command walks)."""
-    devices, state = host
+def _serving(
+    devices: Path, state: StateDir
+) -> tuple[str, Policy, ViewPublisher, GuardedWatch, holder_view.HolderView]:
+    """What a daemon serving scans has: this boot's id, the policy, the view's publisher, a
+    started watch of ``devices`` and a clean view of this boot and settings."""
     with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
         boot = handle.read().strip()
     policy = dataclasses.replace(Policy(), devices_dir=str(devices), state_dir=state.path)
@@ -224,7 +223,22 @@ def test_the_daemon_answers_only_from_a_current_view_and_reading(
     watch = GuardedWatch(str(devices), publisher.mark_dirty)
     assert watch.start()
     settings = (policy.proc_root, str(devices), policy.device_major)
-    view = dataclasses.replace(_holder_view(watch), boot_id=boot, settings=settings)
+    return (
+        boot,
+        policy,
+        publisher,
+        watch,
+        dataclasses.replace(_holder_view(watch), boot_id=boot, settings=settings),
+    )
+
+
+def test_the_daemon_answers_only_from_a_current_view_and_reading(
+    host: tuple[Path, StateDir],
+) -> None:
+    """The daemon's served scan (cli/scan.py, handed its last poll) answers only from a current
+    view and reading; otherwise it gives no report, only why (and the command walks)."""
+    devices, state = host
+    boot, policy, publisher, watch, view = _serving(devices, state)
 
     def reading(age: float) -> dict[str, object]:
         return nvml_view.encode(
@@ -265,14 +279,7 @@ def test_the_daemon_declines_a_scan_its_rule_would_walk_for_and_answers_a_held_g
     the walk is due again (``holder_gone``): it declines."""
     devices, state = host
     holder = spawn(hold([str(devices / "nvidia0"), str(devices / "nvidia-uvm")]))  # unwatched
-    with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
-        boot = handle.read().strip()
-    policy = dataclasses.replace(Policy(), devices_dir=str(devices), state_dir=state.path)
-    publisher = ViewPublisher(lambda: state, lambda error: None)
-    watch = GuardedWatch(str(devices), publisher.mark_dirty)
-    assert watch.start()
-    settings = (policy.proc_root, str(devices), policy.device_major)
-    view = dataclasses.replace(_holder_view(watch), boot_id=boot, settings=settings)
+    boot, policy, publisher, watch, view = _serving(devices, state)
     memory = {"total": 80 << 30, "free": 70 << 30, "reserved": 0, "allocated": 10 << 30}
     reading = nvml_view.encode(
         boot_id=boot, daemon_pid=os.getpid(), daemon_start_ticks=1, read_at=time.time(),

@@ -421,7 +421,7 @@ class _PollGauges:
         full = report.snapshot.holders.mode == "full"
         self.duration.observe(report.seconds)
         self.last_duration.set(report.seconds)
-        self.last_success.set(report.started_wall)
+        self.last_success.set(report.started_wall + report.seconds)  # when it completed
         self.last_full.set(full)
         if full:
             self.full_scans.inc()

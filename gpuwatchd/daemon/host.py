@@ -121,6 +121,8 @@ class HookQueue:
         self.on_crash: Callable[[str], None] | None = None
 
     def __call__(self, work: Callable[[], None]) -> bool:
+        if self._closing:  # nothing would run it: refused, so the engine says it is dropped
+            return False
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._serve, name="gpuwatchd-notify", daemon=True
@@ -159,11 +161,11 @@ class HookQueue:
     def close(self, grace: float) -> int:
         """Take no more work; let the queue finish for up to ``grace`` seconds. Returns how
         many notifications never started (dropped now)."""
+        was_closing, self._closing = self._closing, True
         if self._thread is None:
             return 0
         deadline = time.monotonic() + grace
-        if not self._closing:
-            self._closing = True
+        if not was_closing:
             with contextlib.suppress(queue.Full):  # full: the join below runs out instead
                 self._queue.put(None, timeout=grace)
         self._thread.join(max(0.0, deadline - time.monotonic()))

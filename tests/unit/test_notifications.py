@@ -358,6 +358,20 @@ def test_hook_queue_refuses_past_capacity_and_close_is_bounded() -> None:
     release.set()
 
 
+@pytest.mark.parametrize("started", [True, False])
+def test_hook_queue_refuses_work_after_close_rather_than_keep_it_unrun(started: bool) -> None:
+    """Work handed over after close would never run, nor be counted as dropped: it is
+    refused, which the engine says as a dropped notification."""
+    queue = HookQueue()
+    seen: list[int] = []
+    if started:
+        assert queue(lambda: seen.append(0))
+    assert queue.close(grace=5.0) == 0
+    assert not queue(lambda: seen.append(1))
+    assert queue.close(grace=5.0) == 0
+    assert seen == ([0] if started else [])
+
+
 def test_hook_queue_survives_a_crashing_notification() -> None:
     queue = HookQueue()
     seen: list[int] = []

@@ -568,3 +568,25 @@ def test_a_method_call_on_a_local_set_reaches_no_method_of_ours(tmp_path: Path) 
     parameter_before = _gate_print(tmp_path, on_parameter)
     (decide / "state.py").write_text(state.replace("return 1", "return 10"))
     assert _gate_print(tmp_path, on_parameter) != parameter_before
+
+
+def test_a_table_computed_from_another_rests_on_it(tmp_path: Path) -> None:
+    """``LISTING = _where("listing")`` is what ``_where`` makes of ``KINDS``: a gate reading
+    ``LISTING`` is re-mutated when either changes, not only when that line does."""
+    gates = textwrap.dedent(
+        """
+        KINDS = {"a": "listing", "b": "memory"}
+        LISTING = _where("listing")
+
+
+        def _where(what):
+            return frozenset(k for k, v in KINDS.items() if v == what)
+
+
+        def gate(kind):
+            return kind in LISTING
+        """
+    )
+    before = _gate_print(tmp_path, gates)
+    assert _gate_print(tmp_path, gates.replace('"b": "memory"', '"b": "listing"')) != before
+    assert _gate_print(tmp_path, gates.replace("v == what", "v != what")) != before

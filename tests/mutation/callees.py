@@ -2,11 +2,11 @@
 
 This module owns the fingerprint CI compares (``tests/mutation/fingerprints.json``): a hash of
 the function's syntax tree *and* of everything in ``gpuwatchd/decide/`` (and ``model.py``) it
-reaches: the functions it calls, transitively, the module-level tables it reads (as written:
-not what a table is computed from, a known gap), the policy defaults of the fields it reads.
-A plain name is followed as its module binds it; ``module.f()`` to that module's ``f``; a
-method call to every function so named, unless on a local that only holds a builtin
-container. It never runs anything (docs/architecture.md, "Mutation testing").
+reaches: the functions it calls, transitively, the module-level tables it reads (and what
+they are computed from), the policy defaults of the fields it reads. A plain name is followed
+as its module binds it; ``module.f()`` to that module's ``f``; a method call to every function
+so named, unless on a local that only holds a builtin container. It may re-mutate more than
+needed, never less, and never runs anything (docs/architecture.md, "Mutation testing").
 """
 
 from __future__ import annotations
@@ -111,6 +111,16 @@ def _function(where: str, node: ast.FunctionDef | ast.AsyncFunctionDef) -> _Entr
     )
 
 
+def _table(where: str, value: ast.expr) -> _Entry:
+    """A module-level value, with the names it is computed from (``LISTING = _where(...)``
+    rests on ``_where`` and the table that reads)."""
+    read = {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}
+    bound = {
+        n.id for n in ast.walk(value) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+    }
+    return _Entry(where, _dump(value), names=frozenset(read - bound))
+
+
 @dataclass
 class _Module:
     """What one file binds at its top level: its functions and tables, and its imports
@@ -205,11 +215,7 @@ class Dependencies:
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 for target in targets:
                     if isinstance(target, ast.Name):
-                        put(
-                            self.tables,
-                            target.id,
-                            _Entry(f"{file}::{target.id}", _dump(node.value)),
-                        )
+                        put(self.tables, target.id, _table(f"{file}::{target.id}", node.value))
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 for alias in node.names:
                     module.imports[alias.asname or alias.name] = (node.module, alias.name)

@@ -25,7 +25,7 @@ from gpuwatchd.decide.verdict import judge
 from tests.support.fakenvml import cap_minor
 from tests.support.migcases import GI1, GI2, LEAK, leak_beside_live_job, run
 from tests.support.migsnap import Inst, mig_uuid, with_mig
-from tests.support.snapshots import HostBuilder, gpu_uuid
+from tests.support.snapshots import HostBuilder, cg_slurm, gpu_uuid
 
 
 def findings_of(result: Assessment, pid: int) -> list[Finding]:
@@ -284,6 +284,26 @@ def test_an_orphan_in_a_mig_instance_makes_its_gpu_dirty_and_no_other() -> None:
     verdicts = {v.uuid: v for v in judge(snapshot, result, Policy()).gpus}
     assert [r.kind for r in verdicts[gpu_uuid(0)].reasons if r.pid == 601] == ["orphaned"]
     assert not any(r.pid == 601 for r in verdicts[gpu_uuid(1)].reasons)
+
+
+@pytest.mark.parametrize(("state", "kind"), [("D", "stuck"), ("S", "abandoned")])
+def test_a_stuck_or_abandoned_parent_only_holder_makes_its_gpu_dirty_and_is_no_target(
+    state: str, kind: str
+) -> None:
+    """800 holds GPU 0's node and nvidia-uvm, no capability, and its job has ended (or it is
+    in D): dirt on GPU 0 as on a whole GPU, said to be parent-only, never a target."""
+    builder = HostBuilder().gpu(0).gpu(1)
+    builder.proc(800, state=state, cgroup=cg_slurm("42"), holds={0}, uvm=True)
+    base = dataclasses.replace(builder.build(), handovers={"slurm:42": 10**12})
+    snapshot = with_mig(base, instances=[Inst(1), Inst(2)])
+    result = run(snapshot)
+    (finding,) = findings_of(result, 800)
+    assert (finding.kind.value, finding.gpu, finding.actionable) == (kind, gpu_uuid(0), False)
+    assert finding.evidence["mig_parent_only"] is True
+    verdicts = {v.uuid: v for v in judge(snapshot, result, Policy()).gpus}
+    assert verdicts[gpu_uuid(0)].state.value == "dirty"
+    assert [r.kind for r in verdicts[gpu_uuid(0)].reasons] == [kind]
+    assert verdicts[gpu_uuid(1)].state.value == "clean"
 
 
 # --- a whole-GPU reset of a MIG GPU -----------------------------------------------------------

@@ -240,19 +240,23 @@ def instance_view(snapshot: Snapshot, layout: MigLayout) -> Snapshot:
 
 
 def _parent_only_finding(finding: Finding, layout: MigLayout, snapshot: Snapshot) -> Finding:
-    """A holder that holds only judged MIG parents' nodes (no GPU of the view): say so."""
+    """A holder that holds only judged MIG parents' nodes (no GPU of the view): say so, under
+    its GPU (a stuck or abandoned one is dirt there, as on a whole GPU), never a target."""
     parents = layout.parent_only.get(finding.pid or -1, ())
     indexes = [g.index for g in snapshot.nvml.gpus if g.uuid in parents]
     shown = ", ".join(str(i) for i in indexes)
+    said = (
+        f"holds the device node of MIG GPU(s) {shown} but the capability of none of their "
+        "instances: which instance it uses cannot be told, so it is never a target (it "
+        "blocks a reset of the whole GPU)"
+    )
+    if finding.evidence.get("unattributed") is not True:
+        said = f"{finding.reason}; {said}"  # stuck, abandoned: what it is, then this
     return replace(
         finding,
         gpu=parents[0],
         actionable=False,
-        reason=(
-            f"holds the device node of MIG GPU(s) {shown} but the capability of none of their "
-            "instances: which instance it uses cannot be told, so it is never a target (it "
-            "blocks a reset of the whole GPU)"
-        ),
+        reason=said,
         evidence={**finding.evidence, "mig_parent_only": True, "gpus": list(parents)},
     )
 
@@ -282,11 +286,7 @@ def annotate_findings(
             result.append(
                 replace(finding, kind=kind, actionable=actionable, reason=reason, evidence=evidence)
             )
-        elif (
-            finding.gpu is None
-            and finding.pid in layout.parent_only
-            and finding.evidence.get("unattributed") is True
-        ):
+        elif finding.gpu is None and finding.pid in layout.parent_only:
             result.append(_parent_only_finding(finding, layout, snapshot))
         else:
             result.append(finding)

@@ -149,6 +149,15 @@ def test_ghost_memory_in_one_instance_is_found_while_the_other_instance_is_busy(
     assert result.report_only[gpu_uuid(0)].startswith("MIG enabled: the GPU as a whole")
 
 
+def test_an_instance_of_a_gpu_whose_numa_node_is_unknown_has_no_ghost_memory() -> None:
+    """GPU 0's NUMA node could not be read: its memory may be coherent, in every instance too,
+    so no instance's memory is judged (as on a whole GPU)."""
+    base = HostBuilder().gpu(0, numa_unknown=True).build()
+    result = run(with_mig(base, instances=[Inst(1, allocated=LEAK), Inst(2)]))
+    assert [f.kind for f in result.findings if f.gpu == GI1] == []
+    assert "whether its memory is coherent is unknown" in " ".join(result.notes[GI1])
+
+
 def test_an_instance_learns_its_own_idle_baseline() -> None:
     base = HostBuilder().gpu(0).build()
     idle = with_mig(base, instances=[Inst(1, allocated=30 * MIB), Inst(2, allocated=5 * MIB)])

@@ -204,6 +204,7 @@ def instance_gpu(instance: MigInstance) -> GpuInfo:
         mig_enabled=False,
         persistence_mode=parent.persistence_mode,
         numa_node=parent.numa_node,
+        numa_node_unknown=parent.numa_node_unknown,
         architecture=parent.architecture,
         nvlink_active=parent.nvlink_active,
         error="; ".join(errors) or None,

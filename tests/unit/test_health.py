@@ -124,6 +124,22 @@ def test_xids_are_remembered_across_polls_with_counts_and_times() -> None:
     assert after_boot.state.gpus[GPU0].xids == {}
 
 
+def test_a_boot_id_that_cannot_be_read_is_no_new_boot_and_forgets_nothing() -> None:
+    """Xid 79 asks for a reboot; one poll cannot read the boot id: the same boot as far as
+    anyone knows, so the GPU still needs its reboot then and once the id is read again. A
+    new id read after it is a new boot."""
+    first = assess(snap(gpu(0, GPU0, health(xids=(XidEvent(79, 10.0),)))), AssessState(),
+                   Policy().detection)  # fmt: skip
+    unknown = replace(snap(gpu(0, GPU0, health()), t=1005.0), boot_id=None)
+    blind = assess(unknown, first.state, Policy().detection)
+    assert blind.state.boot_id == "boot-1"
+    again = assess(snap(gpu(0, GPU0, health()), t=1010.0), blind.state, Policy().detection)
+    for result in (first, blind, again):
+        assert [f.kind for f in result.findings] == [FindingKind.REBOOT_REQUIRED]
+    rebooted = replace(snap(gpu(0, GPU0, health()), t=20.0), boot_id="boot-2")
+    assert assess(rebooted, blind.state, Policy().detection).findings == ()
+
+
 def test_a_reset_clears_xid_reasons_but_a_field_still_asking_means_reboot() -> None:
     seen = assess_health(snap(gpu(0, GPU0, health(xids=(XidEvent(95, 10.0),)))), HealthState(),
                          boot_changed=False).state  # fmt: skip

@@ -168,6 +168,7 @@ def test_an_xid_after_a_reset_asks_again_when_the_wall_clock_stepped_back_in_bet
     assert kinds(health(xids=(XidEvent(48, stepped),)), moved) == [FindingKind.RESET_REQUIRED]
     assert kinds(health(xids=(XidEvent(48, stepped),)), state) == []  # not moved: dealt with
     assert rebase_wall(state, 0.0) is state
+    assert rebase_wall(state, 0.5).gpus[GPU0].last_reset == 999.5  # any step back counts
     assert rebase_wall(state, -5.0) is state  # forward: time passed
 
 

@@ -240,10 +240,9 @@ def instance_view(snapshot: Snapshot, layout: MigLayout) -> Snapshot:
 # --- the assessment, readable again -----------------------------------------------------------
 
 
-def _parent_only_finding(finding: Finding, layout: MigLayout, snapshot: Snapshot) -> Finding:
+def _parent_only_finding(finding: Finding, parents: tuple[str, ...], snapshot: Snapshot) -> Finding:
     """A holder that holds only judged MIG parents' nodes (no GPU of the view): say so, under
     its GPU (a stuck or abandoned one is dirt there, as on a whole GPU), never a target."""
-    parents = layout.parent_only.get(finding.pid or -1, ())
     indexes = [g.index for g in snapshot.nvml.gpus if g.uuid in parents]
     shown = ", ".join(str(i) for i in indexes)
     said = (
@@ -287,8 +286,9 @@ def annotate_findings(
             result.append(
                 replace(finding, kind=kind, actionable=actionable, reason=reason, evidence=evidence)
             )
-        elif finding.gpu is None and finding.pid in layout.parent_only:
-            result.append(_parent_only_finding(finding, layout, snapshot))
+        elif finding.gpu is None and finding.pid is not None and finding.pid in layout.parent_only:
+            parents = layout.parent_only[finding.pid]
+            result.append(_parent_only_finding(finding, parents, snapshot))
         else:
             result.append(finding)
     return result

@@ -43,7 +43,7 @@ from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.floor import reset_blockers
 from gpuwatchd.decide.health import fabric
-from gpuwatchd.decide.health.judge import drop_assumed, note_reset
+from gpuwatchd.decide.health.judge import drop_assumed, note_reset, rebase_wall
 from gpuwatchd.decide.mig.recovery import from_record, recovered, recovery_blockers
 from gpuwatchd.decide.nvml_state import NvmlAvailability, next_availability
 from gpuwatchd.decide.plan.decisions import (
@@ -252,6 +252,12 @@ class Engine:
         if not (self.policy.dry_run or state.plan.forced_dry_run):
             # Acting for real: a dry run's assumed resets never stand in for real ones.
             state.assess = replace(state.assess, health=drop_assumed(state.assess.health))
+        last = state.plan.last_wall
+        if last is not None and snapshot.wall_time < last:
+            # The wall clock stepped back: the health history's times move with it, as the
+            # plan's do when it sees the same step (an Xid after a reset is after it).
+            moved = rebase_wall(state.assess.health, last - snapshot.wall_time)
+            state.assess = replace(state.assess, health=moved)
         assessment = self.reuse.assess(
             snapshot,
             state.assess,

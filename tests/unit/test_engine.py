@@ -9,34 +9,43 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import pytest
 
 from gpuwatchd.act.signals import SignalResult
-from gpuwatchd.core.model import MIB, ProcessIdentity, Spare
+from gpuwatchd.core.model import MIB, FindingKind, ProcessIdentity, Snapshot, Spare, XidEvent
 from gpuwatchd.core.vocabulary import EventName, SignalOutcome
 from gpuwatchd.decide.assess.state import AssessState
+from gpuwatchd.decide.health.judge import note_reset
+from gpuwatchd.decide.health.state import HealthState
 from gpuwatchd.decide.mig.recovery import InstanceRecovery
 from gpuwatchd.decide.plan.decisions import set_paused
 from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.engine.cycle import EngineState
+from gpuwatchd.engine.cycle import Engine, EngineState
 from gpuwatchd.engine.edges import Pause
 from tests.support.enginerig import (
     GPU0,
     LEAK,
     W0,
     Actuator,
+    Clock,
+    Reader,
     Rig,
+    Sink,
     T,
     ghost_host,
     make_policy,
     orphan_host,
     rig,
 )
+from tests.support.healthcases import GPU0 as HEALTH_GPU
+from tests.support.healthcases import gpu, health, snap
 from tests.support.snapshots import HostBuilder
 
 MIG_UUID = "MIG-12345678-1234-1234-1234-123456789abc"
+HOUR = 3600.0
 
 
 def reset_commands(r: Rig) -> list[tuple[str, ...]]:
@@ -130,6 +139,37 @@ def test_a_spare_keeps_the_time_it_had_left_when_the_wall_clock_steps_before_the
     report = r.poll_at(0.0)
     assert r.actuator.signals == []
     assert [s.until for s in report.snapshot.spares] == [W0 + 60.0]
+
+
+@dataclass
+class SteppedReader(Reader):
+    """GPU 0 reports Xid 48, read after the wall clock stepped back an hour: the snapshot and
+    the Xid carry the stepped wall time."""
+
+    def collect(self) -> Snapshot:
+        stepped = snap(t=self.clock.now).wall_time - HOUR
+        reading = health(xids=(XidEvent(48, stepped),))
+        return replace(snap(gpu(0, HEALTH_GPU, reading), t=self.clock.now), wall_time=stepped)
+
+
+def test_an_xid_after_a_reset_asks_for_one_again_when_the_wall_clock_stepped_back_since() -> None:
+    """Our reset of GPU 0 at wall R, the last poll at R + 10, then the clock steps back an
+    hour: Xid 48, 20 s after the reset, is after it (the health history moves with the step,
+    as the plan's wall times do)."""
+    reset_at = snap(t=1000.0).wall_time
+    health_state = note_reset(HealthState(), HEALTH_GPU, reset_at)
+    state = EngineState(
+        assess=AssessState(boot_id="boot-1", health=health_state),
+        plan=PlanState(boot_id="boot-1", last_wall=reset_at + 10.0),
+    )
+    clock, sink = Clock(now=1020.0), Sink()
+    engine = Engine(make_policy(dry_run=True), reader=SteppedReader(clock, ghost_host),
+                    actuator=Actuator(), clock=clock, sink=sink, state=state)  # fmt: skip
+    report = engine.poll()
+    assert [f.kind for f in report.assessment.findings] == [FindingKind.RESET_REQUIRED]
+    assert engine.state.assess.health.gpus[HEALTH_GPU].last_reset == reset_at - HOUR + 10.0
+    (stepped,) = sink.named(EventName.CLOCK_STEPPED_BACK)
+    assert stepped["seconds"] == HOUR - 10.0
 
 
 def test_a_denied_signal_ends_the_ladder_and_is_never_retried() -> None:

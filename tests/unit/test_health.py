@@ -20,8 +20,15 @@ from gpuwatchd.core.model import (
 from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.decide.assess.passes import assess
 from gpuwatchd.decide.assess.state import AssessState
-from gpuwatchd.decide.health.judge import assess_health, note_reset
-from gpuwatchd.decide.health.state import GpuHealthState, HealthState, XidDetail
+from gpuwatchd.decide.health.judge import assess_health, note_reset, rebase_wall
+from gpuwatchd.decide.health.state import (
+    GpuHealthState,
+    HealthState,
+    Sighting,
+    XidDetail,
+    XidLog,
+    XidRecord,
+)
 from gpuwatchd.decide.health.xid_catalogue import XidAction, xid_action
 from gpuwatchd.decide.plan.decisions import plan, set_paused
 from gpuwatchd.decide.plan.intents import HookIntent, PlanResult, ResetIntent, SignalIntent
@@ -124,6 +131,22 @@ def test_xids_are_remembered_across_polls_with_counts_and_times() -> None:
     assert after_boot.state.gpus[GPU0].xids == {}
 
 
+def test_a_boot_id_that_cannot_be_read_is_no_new_boot_and_forgets_nothing() -> None:
+    """Xid 79 asks for a reboot; one poll cannot read the boot id: the same boot as far as
+    anyone knows, so the GPU still needs its reboot then and once the id is read again. A
+    new id read after it is a new boot."""
+    first = assess(snap(gpu(0, GPU0, health(xids=(XidEvent(79, 10.0),)))), AssessState(),
+                   Policy().detection)  # fmt: skip
+    unknown = replace(snap(gpu(0, GPU0, health()), t=1005.0), boot_id=None)
+    blind = assess(unknown, first.state, Policy().detection)
+    assert blind.state.boot_id == "boot-1"
+    again = assess(snap(gpu(0, GPU0, health()), t=1010.0), blind.state, Policy().detection)
+    for result in (first, blind, again):
+        assert [f.kind for f in result.findings] == [FindingKind.REBOOT_REQUIRED]
+    rebooted = replace(snap(gpu(0, GPU0, health()), t=20.0), boot_id="boot-2")
+    assert assess(rebooted, blind.state, Policy().detection).findings == ()
+
+
 def test_a_reset_clears_xid_reasons_but_a_field_still_asking_means_reboot() -> None:
     seen = assess_health(snap(gpu(0, GPU0, health(xids=(XidEvent(95, 10.0),)))), HealthState(),
                          boot_changed=False).state  # fmt: skip
@@ -133,6 +156,57 @@ def test_a_reset_clears_xid_reasons_but_a_field_still_asking_means_reboot() -> N
     assert kinds(health(remap_pending=True), after) == [FindingKind.REBOOT_REQUIRED]
     # An Xid after the reset asks again for a reset, not a reboot.
     assert kinds(health(xids=(XidEvent(95, 60.0),)), after) == [FindingKind.RESET_REQUIRED]
+
+
+def test_an_xid_after_a_reset_asks_again_when_the_wall_clock_stepped_back_in_between() -> None:
+    """A reset at wall 1000, then the clock steps back an hour; 20 s after the reset Xid 48
+    is stamped at the stepped time. Moved back by the step, the reset is still before it."""
+    state = note_reset(HealthState(), GPU0, 1000.0)
+    stepped = 1020.0 - 3600.0
+    moved = rebase_wall(state, 3600.0)
+    assert moved.gpus[GPU0].last_reset == 1000.0 - 3600.0
+    assert kinds(health(xids=(XidEvent(48, stepped),)), moved) == [FindingKind.RESET_REQUIRED]
+    assert kinds(health(xids=(XidEvent(48, stepped),)), state) == []  # not moved: dealt with
+    assert rebase_wall(state, 0.0) is state
+    assert rebase_wall(state, 0.5).gpus[GPU0].last_reset == 999.5  # any step back counts
+    assert rebase_wall(state, -5.0) is state  # forward: time passed
+
+
+def test_a_backward_step_moves_every_wall_time_of_the_health_history_and_nothing_else() -> None:
+    at = 5000.0
+    before = GpuHealthState(
+        xids={48: XidRecord(3, at, at + 1)},
+        last_reset=at + 2,
+        since={"reset_required": at + 3},
+        assumed_reset=at + 4,
+        assumed_cured=("remap",),
+        fabric_since=at + 5,
+        checked_reset=at + 2,
+        unhealed=("recovery:1",),
+        klog_pos=77,
+        sightings=(Sighting(48, at + 6, "nvml"),),
+        details={48: XidDetail(9, "python3", "slurm:1", "text", False, at + 7)},
+        xid_log={48: XidLog(at + 8, 2, at + 9, at + 10)},
+    )
+    after = rebase_wall(HealthState(gpus={GPU0: before, GPU1: GpuHealthState()}), 1000.0)
+    back = at - 1000.0
+    assert after.gpus == {
+        GPU0: GpuHealthState(
+            xids={48: XidRecord(3, back, back + 1)},
+            last_reset=back + 2,
+            since={"reset_required": back + 3},
+            assumed_reset=back + 4,
+            assumed_cured=("remap",),
+            fabric_since=back + 5,
+            checked_reset=back + 2,
+            unhealed=("recovery:1",),
+            klog_pos=77,  # microseconds since boot: no wall time
+            sightings=(Sighting(48, back + 6, "nvml"),),
+            details={48: XidDetail(9, "python3", "slurm:1", "text", False, back + 7)},
+            xid_log={48: XidLog(back + 8, 2, back + 9, back + 10)},
+        ),
+        GPU1: GpuHealthState(),
+    }
 
 
 def test_health_state_round_trips_and_rejects_garbage() -> None:

@@ -25,7 +25,7 @@ from gpuwatchd.decide.verdict import judge
 from tests.support.fakenvml import cap_minor
 from tests.support.migcases import GI1, GI2, LEAK, leak_beside_live_job, run
 from tests.support.migsnap import Inst, mig_uuid, with_mig
-from tests.support.snapshots import HostBuilder, gpu_uuid
+from tests.support.snapshots import HostBuilder, cg_slurm, gpu_uuid
 
 
 def findings_of(result: Assessment, pid: int) -> list[Finding]:
@@ -147,6 +147,15 @@ def test_ghost_memory_in_one_instance_is_found_while_the_other_instance_is_busy(
     assert [(g.gpu, g.actionable) for g in ghosts] == [(GI1, True)]
     assert ghosts[0].evidence["mig"]["gi"] == 1  # type: ignore[index]
     assert result.report_only[gpu_uuid(0)].startswith("MIG enabled: the GPU as a whole")
+
+
+def test_an_instance_of_a_gpu_whose_numa_node_is_unknown_has_no_ghost_memory() -> None:
+    """GPU 0's NUMA node could not be read: its memory may be coherent, in every instance too,
+    so no instance's memory is judged (as on a whole GPU)."""
+    base = HostBuilder().gpu(0, numa_unknown=True).build()
+    result = run(with_mig(base, instances=[Inst(1, allocated=LEAK), Inst(2)]))
+    assert [f.kind for f in result.findings if f.gpu == GI1] == []
+    assert "whether its memory is coherent is unknown" in " ".join(result.notes[GI1])
 
 
 def test_an_instance_learns_its_own_idle_baseline() -> None:
@@ -284,6 +293,26 @@ def test_an_orphan_in_a_mig_instance_makes_its_gpu_dirty_and_no_other() -> None:
     verdicts = {v.uuid: v for v in judge(snapshot, result, Policy()).gpus}
     assert [r.kind for r in verdicts[gpu_uuid(0)].reasons if r.pid == 601] == ["orphaned"]
     assert not any(r.pid == 601 for r in verdicts[gpu_uuid(1)].reasons)
+
+
+@pytest.mark.parametrize(("state", "kind"), [("D", "stuck"), ("S", "abandoned")])
+def test_a_stuck_or_abandoned_parent_only_holder_makes_its_gpu_dirty_and_is_no_target(
+    state: str, kind: str
+) -> None:
+    """800 holds GPU 0's node and nvidia-uvm, no capability, and its job has ended (or it is
+    in D): dirt on GPU 0 as on a whole GPU, said to be parent-only, never a target."""
+    builder = HostBuilder().gpu(0).gpu(1)
+    builder.proc(800, state=state, cgroup=cg_slurm("42"), holds={0}, uvm=True)
+    base = dataclasses.replace(builder.build(), handovers={"slurm:42": 10**12})
+    snapshot = with_mig(base, instances=[Inst(1), Inst(2)])
+    result = run(snapshot)
+    (finding,) = findings_of(result, 800)
+    assert (finding.kind.value, finding.gpu, finding.actionable) == (kind, gpu_uuid(0), False)
+    assert finding.evidence["mig_parent_only"] is True
+    verdicts = {v.uuid: v for v in judge(snapshot, result, Policy()).gpus}
+    assert verdicts[gpu_uuid(0)].state.value == "dirty"
+    assert [r.kind for r in verdicts[gpu_uuid(0)].reasons] == [kind]
+    assert verdicts[gpu_uuid(1)].state.value == "clean"
 
 
 # --- a whole-GPU reset of a MIG GPU -----------------------------------------------------------

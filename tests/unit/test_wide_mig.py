@@ -285,25 +285,28 @@ def test_only_ghost_memory_of_an_instance_with_a_parent_only_cuda_holder_is_not_
     assert same is plain
 
 
-def test_only_an_unattributed_finding_of_a_parent_only_holder_is_said_to_hold_a_mig_parent() -> (
-    None
-):
-    """800 holds GPU 0's node and no capability: a finding about no GPU passes unchanged unless
-    it is an unattributed one of a parent-only holder."""
+def test_every_finding_about_no_gpu_of_a_parent_only_holder_is_said_to_hold_a_mig_parent() -> None:
+    """800 holds GPU 0's node and no capability: each of its findings about no GPU (an
+    unattributed hidden holder, a stuck or abandoned one) is about GPU 0, never a target; a
+    stuck or abandoned one keeps its own reason first. Another PID's passes unchanged."""
     snapshot = leaky(HostBuilder().proc(800, ppid=1, holds={0}))
     layout = mig_layout(snapshot)
     unattributed = {"unattributed": True}
     other = Finding(FindingKind.HIDDEN_HOLDER, None, 900, 1, "hidden", evidence=unattributed)
-    attributed = Finding(FindingKind.HIDDEN_HOLDER, None, 800, 1, "hidden")
+    stuck = Finding(FindingKind.STUCK, None, 800, 1, "stuck", actionable=True)
     lonely = Finding(FindingKind.HIDDEN_HOLDER, None, 800, 1, "hidden", evidence=unattributed)
-    (same, also_same, said) = annotate_findings([other, attributed, lonely], layout, snapshot)
+    (same, dirt, said) = annotate_findings([other, stuck, lonely], layout, snapshot)
     assert same is other
-    assert also_same is attributed
-    assert (said.gpu, said.actionable, said.evidence["mig_parent_only"]) == (
-        gpu_uuid(0),
-        False,
-        True,
-    )
+    for finding in (dirt, said):
+        assert (finding.gpu, finding.actionable, finding.evidence["mig_parent_only"]) == (
+            gpu_uuid(0),
+            False,
+            True,
+        )
+        assert finding.evidence["gpus"] == [gpu_uuid(0)]
+    assert dirt.kind is FindingKind.STUCK
+    assert dirt.reason.startswith("stuck; holds the device node of MIG GPU(s) 0 but")
+    assert said.reason.startswith("holds the device node of MIG GPU(s) 0 but")
 
 
 def test_an_unjudged_mig_gpu_is_said_so_where_it_is_report_only_and_its_devices_were_read() -> None:

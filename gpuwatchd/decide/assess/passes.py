@@ -52,14 +52,17 @@ def assess(
     """
     passes = processes or assess_processes
     result = passes(snapshot, previous, detection, driver_refused or {})
-    boot_changed = previous.boot_id not in (None, snapshot.boot_id)
+    # A boot id that could not be read is no new boot: the health history is kept, and so is
+    # the last id read (the process side still drops what it keeps, shared.py).
+    boot_id = previous.boot_id if snapshot.boot_id is None else snapshot.boot_id
+    boot_changed = previous.boot_id not in (None, boot_id)
     health = assess_health(
         snapshot, previous.health, boot_changed=boot_changed, policy=health_policy
     )
     return replace(
         result,
         findings=result.findings + health.findings,
-        state=replace(result.state, health=health.state),
+        state=replace(result.state, health=health.state, boot_id=boot_id),
         xid_notices=health.xid_notices,
     )
 

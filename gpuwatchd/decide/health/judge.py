@@ -128,6 +128,37 @@ def note_reset(
     return HealthState(gpus=gpus)
 
 
+def rebase_wall(state: HealthState, step: float) -> HealthState:
+    """Every wall time moved ``step`` seconds back: the wall clock stepped back that far, and
+    the step counts as no time passed (as the plan's wall times, docs/internals.md)."""
+    if step <= 0:
+        return state
+    return HealthState(gpus={uuid: _moved_back(g, step) for uuid, g in state.gpus.items()})
+
+
+def _moved_back(gpu: GpuHealthState, step: float) -> GpuHealthState:
+    def back(wall: float | None) -> float | None:
+        return None if wall is None else wall - step
+
+    return replace(
+        gpu,
+        xids={x: replace(r, first=r.first - step, last=r.last - step) for x, r in gpu.xids.items()},
+        last_reset=back(gpu.last_reset),
+        since={kind: wall - step for kind, wall in gpu.since.items()},
+        assumed_reset=back(gpu.assumed_reset),
+        fabric_since=back(gpu.fabric_since),
+        checked_reset=back(gpu.checked_reset),
+        sightings=tuple(replace(s, wall=s.wall - step) for s in gpu.sightings),
+        details={x: replace(d, wall=d.wall - step) for x, d in gpu.details.items()},
+        xid_log={
+            x: replace(
+                log, logged_at=log.logged_at - step, first=log.first - step, last=log.last - step
+            )
+            for x, log in gpu.xid_log.items()
+        },
+    )
+
+
 def drop_assumed(state: HealthState) -> HealthState:
     """Forget every dry-run assumption (the daemon acts for real now)."""
     if not any(g.assumed_reset is not None or g.assumed_cured for g in state.gpus.values()):

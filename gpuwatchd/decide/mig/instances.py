@@ -204,6 +204,7 @@ def instance_gpu(instance: MigInstance) -> GpuInfo:
         mig_enabled=False,
         persistence_mode=parent.persistence_mode,
         numa_node=parent.numa_node,
+        numa_node_unknown=parent.numa_node_unknown,
         architecture=parent.architecture,
         nvlink_active=parent.nvlink_active,
         error="; ".join(errors) or None,
@@ -239,20 +240,23 @@ def instance_view(snapshot: Snapshot, layout: MigLayout) -> Snapshot:
 # --- the assessment, readable again -----------------------------------------------------------
 
 
-def _parent_only_finding(finding: Finding, layout: MigLayout, snapshot: Snapshot) -> Finding:
-    """A holder that holds only judged MIG parents' nodes (no GPU of the view): say so."""
-    parents = layout.parent_only.get(finding.pid or -1, ())
+def _parent_only_finding(finding: Finding, parents: tuple[str, ...], snapshot: Snapshot) -> Finding:
+    """A holder that holds only judged MIG parents' nodes (no GPU of the view): say so, under
+    its GPU (a stuck or abandoned one is dirt there, as on a whole GPU), never a target."""
     indexes = [g.index for g in snapshot.nvml.gpus if g.uuid in parents]
     shown = ", ".join(str(i) for i in indexes)
+    said = (
+        f"holds the device node of MIG GPU(s) {shown} but the capability of none of their "
+        "instances: which instance it uses cannot be told, so it is never a target (it "
+        "blocks a reset of the whole GPU)"
+    )
+    if finding.evidence.get("unattributed") is not True:
+        said = f"{finding.reason}; {said}"  # stuck, abandoned: what it is, then this
     return replace(
         finding,
         gpu=parents[0],
         actionable=False,
-        reason=(
-            f"holds the device node of MIG GPU(s) {shown} but the capability of none of their "
-            "instances: which instance it uses cannot be told, so it is never a target (it "
-            "blocks a reset of the whole GPU)"
-        ),
+        reason=said,
         evidence={**finding.evidence, "mig_parent_only": True, "gpus": list(parents)},
     )
 
@@ -282,12 +286,9 @@ def annotate_findings(
             result.append(
                 replace(finding, kind=kind, actionable=actionable, reason=reason, evidence=evidence)
             )
-        elif (
-            finding.gpu is None
-            and finding.pid in layout.parent_only
-            and finding.evidence.get("unattributed") is True
-        ):
-            result.append(_parent_only_finding(finding, layout, snapshot))
+        elif finding.gpu is None and finding.pid is not None and finding.pid in layout.parent_only:
+            parents = layout.parent_only[finding.pid]
+            result.append(_parent_only_finding(finding, parents, snapshot))
         else:
             result.append(finding)
     return result

@@ -149,6 +149,14 @@ def protect_match(process: ProcessInfo, policy: Policy) -> str | None:
     return None
 
 
+def protect_refusal(process: ProcessInfo, policy: Policy) -> str | None:
+    """What in ``protect`` (commands, users, units, cgroups) names ``process``, or the fact it
+    needs that is unknown: either refuses it, as :func:`refusal` does; None otherwise."""
+    for _matched, why in _process_protect_checks(process, policy):
+        return why
+    return None
+
+
 def _protect_reason(
     process: ProcessInfo, finding: Finding, snapshot: Snapshot, policy: Policy
 ) -> str | None:

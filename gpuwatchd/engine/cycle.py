@@ -840,6 +840,8 @@ class Engine:
             self_pids=self.reader.self_pids() | self.self_ancestors,  # never stopped
             context_owners=owners,
             monitors=self.policy.reset.monitors,
+            last=last,  # its spares
+            policy=self.policy,  # its protect
         )
 
     def stop_monitors(

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
 from gpuwatchd.act.signals import SignalResult
-from gpuwatchd.core.model import MIB, ProcessIdentity, Spare
+from gpuwatchd.core.model import MIB, ProcessIdentity, Snapshot, Spare
 from gpuwatchd.core.vocabulary import EventName, SignalOutcome
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.mig.recovery import InstanceRecovery
@@ -34,6 +35,7 @@ from tests.support.enginerig import (
     orphan_host,
     rig,
 )
+from tests.support.healthcases import health
 from tests.support.snapshots import HostBuilder
 
 MIG_UUID = "MIG-12345678-1234-1234-1234-123456789abc"
@@ -458,3 +460,34 @@ def test_each_real_action_is_one_warning_line() -> None:
         n for n, level, _ in r.sink.events if level == "warning" and not n.startswith("finding.")
     ]
     assert sorted(warned) == [EventName.ACTION_SIGNAL, EventName.RESET_OUTCOME], warned
+
+
+class _HealthResetHost:
+    """GPU 0 asks for a reset (recovery action 1); job 4242 still holds it: the reset waits."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def build(self) -> Snapshot:
+        builder = ghost_host(self.t, allocated=2 * MIB)
+        snapshot = builder.proc(4242, holds={0}, uvm=True).nvml(0, 4242, used=900 * MIB).build()
+        gpus = tuple(replace(g, health=health(recovery_action=1)) for g in snapshot.nvml.gpus)
+        return replace(snapshot, nvml=replace(snapshot.nvml, gpus=gpus))
+
+
+def test_a_stop_during_a_poll_still_runs_its_hooks_so_a_restart_never_skips_them() -> None:
+    """The state saved before the poll acts books its hooks as run (a health reset's drain
+    done, a stuck target's page sent): a stop there leaves the signals and resets still to
+    come, never a hook, or after the restart the reset would skip a drain that never ran."""
+    pol = make_policy("reset: {drain: [[drain-gpu, '{uuid}']], confirm_for: 0s, cooldown: 0s}")
+    first = rig(pol, _HealthResetHost)  # type: ignore[arg-type]
+    first.engine.stopping = lambda: True  # SIGTERM as the poll starts to carry out
+    first.poll_at(0.0)
+    assert [a for a, _ in first.actuator.commands] == [("drain-gpu", GPU0)]
+    assert first.engine.state.plan.health_drained == {GPU0: False}
+    stuck = rig(make_policy(), lambda t: orphan_host(t, state="D"))
+    stuck.engine.stopping = lambda: True
+    for t in (0.0, 30.0, 60.0):  # confirmed: stuck at 30 s
+        stuck.poll_at(t)
+    assert len(stuck.sink.named(EventName.TARGET_STUCK)) == 1
+    assert [a for a, _ in stuck.actuator.commands] == [("drain-node", "reason=gpu")]

@@ -408,6 +408,34 @@ def test_a_stuck_target_is_reported_with_its_facts(
     assert hook.facts["user"] == "bob", case
 
 
+@pytest.mark.parametrize(
+    ("argument", "logged"),
+    [
+        ("x" * 4089, "python " + "x" * 4089),  # 4096 characters: whole
+        ("x" * 4090, "python " + "x" * 4089 + " [... 1 characters cut]"),
+        ("x" * 100_000, "python " + "x" * 4089 + " [... 95911 characters cut]"),
+    ],
+)
+def test_a_targets_command_line_is_logged_cut_to_what_a_pattern_sees(
+    argument: str, logged: str
+) -> None:
+    """A user's arguments may be megabytes: every event and intent carries the command line's
+    first 4096 characters and how many were cut (target.stuck, action.signal's facts,
+    escalation.ended)."""
+    kill = poll([orphan(A)], host(A, cmdline=("python", argument)).build(), started(A), 30.0)
+    (intent,) = [i for i in kill.intents if isinstance(i, SignalIntent)]
+    assert intent.facts["cmdline"] == logged
+    stuck = poll(
+        [orphan(A, kind=FindingKind.STUCK)],
+        host(A, state="D", cmdline=("python", argument)).build(),
+        started(A),
+        40.0,
+    )
+    assert [e.fields["cmdline"] for e in stuck.events if e.name == EventName.TARGET_STUCK] == [
+        logged
+    ]
+
+
 # --- zombies ------------------------------------------------------------------------------------
 
 

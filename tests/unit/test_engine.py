@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import pytest
 
+from gpuwatchd.act.reset_target import ResetTarget
 from gpuwatchd.act.signals import SignalResult
 from gpuwatchd.core.model import MIB, ProcessIdentity, Snapshot, Spare
 from gpuwatchd.core.vocabulary import EventName, SignalOutcome
@@ -36,7 +37,7 @@ from tests.support.enginerig import (
     rig,
 )
 from tests.support.healthcases import health
-from tests.support.snapshots import HostBuilder
+from tests.support.snapshots import HostBuilder, cg_session
 
 MIG_UUID = "MIG-12345678-1234-1234-1234-123456789abc"
 
@@ -491,3 +492,32 @@ def test_a_stop_during_a_poll_still_runs_its_hooks_so_a_restart_never_skips_them
         stuck.poll_at(t)
     assert len(stuck.sink.named(EventName.TARGET_STUCK)) == 1
     assert [a for a, _ in stuck.actuator.commands] == [("drain-node", "reason=gpu")]
+
+
+@pytest.mark.parametrize(
+    ("case", "protect", "spared", "stopped"),
+    [
+        ("a monitor", "", False, [4100]),
+        ("protect.users names its user", "protect: {users: [alice]}", False, []),
+        ("protect.commands names it", "protect: {commands: [gpustat]}", False, []),
+        ("the last poll's spare covers it", "", True, []),
+    ],
+)
+def test_the_reset_stops_no_monitor_a_spare_or_protect_covers(
+    case: str, protect: str, spared: bool, stopped: list[int]
+) -> None:
+    """Engine.find_monitors hands the monitors' choice the last poll's spares and the policy's
+    protect: the reset never signals what a kill ladder would be refused."""
+    pol = make_policy(f"reset: {{monitors: [{{command: gpustat}}]}}\n{protect}")
+    builder = HostBuilder().gpu(0)
+    builder.proc(4100, holds={0}, comm="gpustat", user="alice", cmdline=("gpustat", "-i"))
+    scan = builder.change(4100, cgroup=cg_session()).build()
+    r = rig(pol, lambda t: ghost_host(t, allocated=2 * MIB))
+    r.reader.final_scan = lambda minor: (scan.holders, scan.processes)  # type: ignore[method-assign]
+    if spared:
+        ticks = scan.processes[4100].start_ticks
+        spare = Spare("pid:4100", W0 + 600.0, "alice debugs", pid=4100, start_ticks=ticks)
+        r.engine.set_spares((spare,), read_at=W0)
+    r.poll_at(0.0)
+    target = ResetTarget(uuid=GPU0, pci_bus_id=None, minor=0, persistence_was_on=False)
+    assert [m.identity.pid for m in r.engine.find_monitors(target)] == stopped, case

@@ -149,6 +149,14 @@ def protect_match(process: ProcessInfo, policy: Policy) -> str | None:
     return None
 
 
+def protect_refusal(process: ProcessInfo, policy: Policy) -> str | None:
+    """What in ``protect`` (commands, users, units, cgroups) names ``process``, or the fact it
+    needs that is unknown: either refuses it, as :func:`refusal` does; None otherwise."""
+    for _matched, why in _process_protect_checks(process, policy):
+        return why
+    return None
+
+
 def _protect_reason(
     process: ProcessInfo, finding: Finding, snapshot: Snapshot, policy: Policy
 ) -> str | None:
@@ -196,6 +204,14 @@ def refusal(
     return None
 
 
+def command_text(cmdline: Sequence[str]) -> str:
+    """A command line as events carry it: its first MAX_COMMAND_TEXT characters (what a
+    pattern sees), and how many more were cut (a user's arguments may be megabytes)."""
+    joined = " ".join(cmdline)
+    cut = len(joined) - MAX_COMMAND_TEXT
+    return joined if cut <= 0 else f"{joined[:MAX_COMMAND_TEXT]} [... {cut} characters cut]"
+
+
 def process_facts(process: ProcessInfo | None) -> dict[str, object]:
     """The facts about a target that go into its intents and log events."""
     if process is None:
@@ -205,7 +221,7 @@ def process_facts(process: ProcessInfo | None) -> dict[str, object]:
         "user": process.user,
         "uid": process.uid,
         "comm": process.comm,
-        "cmdline": None if process.cmdline is None else " ".join(process.cmdline),
+        "cmdline": None if process.cmdline is None else command_text(process.cmdline),
         "state": process.state,
         "ppid": process.ppid,
         "pgid": process.pgid,

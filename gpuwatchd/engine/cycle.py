@@ -273,16 +273,18 @@ class Engine:
 
     def _carry_out_until_stopped(self, intents: Sequence[Intent]) -> list[Intent]:
         """Carry out the intents in order until the daemon is told to stop; those carried out.
-        After a real signal, the exits it caused are seen before the checkpoint."""
+        A stop leaves the signals and resets still to come, never a hook: the state saved
+        before acting books each hook as run (a drain done, a page sent), so one left would be
+        lost for good; each is bounded by its timeout. After a real signal, the exits it
+        caused are seen before the checkpoint."""
         signalled = False
         carried: list[Intent] = []
         for intent in intents:
-            if self.stopping():
-                # A reset handed over but never started books no outcome: not in flight.
-                for undone in intents[len(carried) :]:
-                    if isinstance(undone, ResetIntent):
-                        self._drop_in_flight(undone.gpu, "the daemon stopped before it started")
-                break
+            if not isinstance(intent, HookIntent) and self.stopping():
+                if isinstance(intent, ResetIntent):
+                    # A reset handed over but never started books no outcome: not in flight.
+                    self._drop_in_flight(intent.gpu, "the daemon stopped before it started")
+                continue
             self._carry_out(intent)
             carried.append(intent)
             signalled = signalled or (isinstance(intent, SignalIntent) and not intent.dry_run)
@@ -846,6 +848,8 @@ class Engine:
             self_pids=self.reader.self_pids() | self.self_ancestors,  # never stopped
             context_owners=owners,
             monitors=self.policy.reset.monitors,
+            last=last,  # its spares
+            policy=self.policy,  # its protect
         )
 
     def stop_monitors(

@@ -235,6 +235,28 @@ def test_a_kill_storm_previews_the_same_ladders_cap_and_holds_as_enforcement() -
     assert enforcing.final["forced_dry_run"] is False
 
 
+def test_a_kill_storm_after_a_report_only_step_previews_the_same_cap_and_holds() -> None:
+    """Ladders that begin with a report-only step pass their start uncounted; enforcement
+    checks the cap at their first signal, and so does the preview: the would-be latch holds
+    the rest instead of forcing them on."""
+    rules = """  rules:
+    - name: orphans
+      kind: orphaned
+      steps: [{signal: null, wait: 30s}, {signal: SIGKILL, wait: 10s}]
+"""
+    text = kill_storm(workers=6, cap=2).replace("  on_action:", rules + "  on_action:", 1)
+    dry, enforcing = both(text)
+    assert decisions(dry) == decisions(enforcing)
+    assert_marked_would_be(dry)
+    assert [o for _, _, _, o in enforcing.signals()].count("delivered") == 2
+    (cap,) = dry.entries("limits.kill_cap_reached")
+    assert cap.fields["dry_run"] is True
+    assert cap.fields["scope"] == "uid:1000"
+    assert len(dry.signals()) == 2  # the rest held, not run on as forced would-be ladders
+    held = [e for e in dry.entries("action.refused") if "kill cap" in str(e.fields["why"])]
+    assert len(held) == 4
+
+
 def test_one_users_kill_storm_previews_a_latch_for_that_user_only() -> None:
     """Bob's orphaned worker, its ladder already under way when alice's storm comes:
     enforcement latches alice alone and goes on signalling bob's for real; the preview holds

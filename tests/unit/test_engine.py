@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 
+from gpuwatchd.act.reset_target import ResetTarget
 from gpuwatchd.act.signals import SignalResult
 from gpuwatchd.core.model import MIB, FindingKind, ProcessIdentity, Snapshot, Spare, XidEvent
 from gpuwatchd.core.vocabulary import EventName, SignalOutcome
@@ -42,7 +43,7 @@ from tests.support.enginerig import (
 )
 from tests.support.healthcases import GPU0 as HEALTH_GPU
 from tests.support.healthcases import gpu, health, snap
-from tests.support.snapshots import HostBuilder
+from tests.support.snapshots import HostBuilder, cg_session
 
 MIG_UUID = "MIG-12345678-1234-1234-1234-123456789abc"
 HOUR = 3600.0
@@ -498,3 +499,63 @@ def test_each_real_action_is_one_warning_line() -> None:
         n for n, level, _ in r.sink.events if level == "warning" and not n.startswith("finding.")
     ]
     assert sorted(warned) == [EventName.ACTION_SIGNAL, EventName.RESET_OUTCOME], warned
+
+
+class _HealthResetHost:
+    """GPU 0 asks for a reset (recovery action 1); job 4242 still holds it: the reset waits."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def build(self) -> Snapshot:
+        builder = ghost_host(self.t, allocated=2 * MIB)
+        snapshot = builder.proc(4242, holds={0}, uvm=True).nvml(0, 4242, used=900 * MIB).build()
+        gpus = tuple(replace(g, health=health(recovery_action=1)) for g in snapshot.nvml.gpus)
+        return replace(snapshot, nvml=replace(snapshot.nvml, gpus=gpus))
+
+
+def test_a_stop_during_a_poll_still_runs_its_hooks_so_a_restart_never_skips_them() -> None:
+    """The state saved before the poll acts books its hooks as run (a health reset's drain
+    done, a stuck target's page sent): a stop there leaves the signals and resets still to
+    come, never a hook, or after the restart the reset would skip a drain that never ran."""
+    pol = make_policy("reset: {drain: [[drain-gpu, '{uuid}']], confirm_for: 0s, cooldown: 0s}")
+    first = rig(pol, _HealthResetHost)  # type: ignore[arg-type]
+    first.engine.stopping = lambda: True  # SIGTERM as the poll starts to carry out
+    first.poll_at(0.0)
+    assert [a for a, _ in first.actuator.commands] == [("drain-gpu", GPU0)]
+    assert first.engine.state.plan.health_drained == {GPU0: False}
+    stuck = rig(make_policy(), lambda t: orphan_host(t, state="D"))
+    stuck.engine.stopping = lambda: True
+    for t in (0.0, 30.0, 60.0):  # confirmed: stuck at 30 s
+        stuck.poll_at(t)
+    assert len(stuck.sink.named(EventName.TARGET_STUCK)) == 1
+    assert [a for a, _ in stuck.actuator.commands] == [("drain-node", "reason=gpu")]
+
+
+@pytest.mark.parametrize(
+    ("case", "protect", "spared", "stopped"),
+    [
+        ("a monitor", "", False, [4100]),
+        ("protect.users names its user", "protect: {users: [alice]}", False, []),
+        ("protect.commands names it", "protect: {commands: [gpustat]}", False, []),
+        ("the last poll's spare covers it", "", True, []),
+    ],
+)
+def test_the_reset_stops_no_monitor_a_spare_or_protect_covers(
+    case: str, protect: str, spared: bool, stopped: list[int]
+) -> None:
+    """Engine.find_monitors hands the monitors' choice the last poll's spares and the policy's
+    protect: the reset never signals what a kill ladder would be refused."""
+    pol = make_policy(f"reset: {{monitors: [{{command: gpustat}}]}}\n{protect}")
+    builder = HostBuilder().gpu(0)
+    builder.proc(4100, holds={0}, comm="gpustat", user="alice", cmdline=("gpustat", "-i"))
+    scan = builder.change(4100, cgroup=cg_session()).build()
+    r = rig(pol, lambda t: ghost_host(t, allocated=2 * MIB))
+    r.reader.final_scan = lambda minor: (scan.holders, scan.processes)  # type: ignore[method-assign]
+    if spared:
+        ticks = scan.processes[4100].start_ticks
+        spare = Spare("pid:4100", W0 + 600.0, "alice debugs", pid=4100, start_ticks=ticks)
+        r.engine.set_spares((spare,), read_at=W0)
+    r.poll_at(0.0)
+    target = ResetTarget(uuid=GPU0, pci_bus_id=None, minor=0, persistence_was_on=False)
+    assert [m.identity.pid for m in r.engine.find_monitors(target)] == stopped, case

@@ -408,6 +408,34 @@ def test_a_stuck_target_is_reported_with_its_facts(
     assert hook.facts["user"] == "bob", case
 
 
+@pytest.mark.parametrize(
+    ("argument", "logged"),
+    [
+        ("x" * 4089, "python " + "x" * 4089),  # 4096 characters: whole
+        ("x" * 4090, "python " + "x" * 4089 + " [... 1 characters cut]"),
+        ("x" * 100_000, "python " + "x" * 4089 + " [... 95911 characters cut]"),
+    ],
+)
+def test_a_targets_command_line_is_logged_cut_to_what_a_pattern_sees(
+    argument: str, logged: str
+) -> None:
+    """A user's arguments may be megabytes: every event and intent carries the command line's
+    first 4096 characters and how many were cut (target.stuck, action.signal's facts,
+    escalation.ended)."""
+    kill = poll([orphan(A)], host(A, cmdline=("python", argument)).build(), started(A), 30.0)
+    (intent,) = [i for i in kill.intents if isinstance(i, SignalIntent)]
+    assert intent.facts["cmdline"] == logged
+    stuck = poll(
+        [orphan(A, kind=FindingKind.STUCK)],
+        host(A, state="D", cmdline=("python", argument)).build(),
+        started(A),
+        40.0,
+    )
+    assert [e.fields["cmdline"] for e in stuck.events if e.name == EventName.TARGET_STUCK] == [
+        logged
+    ]
+
+
 # --- zombies ------------------------------------------------------------------------------------
 
 
@@ -639,6 +667,36 @@ def test_real_ladders_book_nothing_in_dry_runs_shadow() -> None:
         ("more than 0 processes of uid:1000 in one poll", Level.CRITICAL)
     ]
     assert capped.state.shadow == PlanState().shadow
+
+
+def test_a_first_signal_after_report_only_steps_passes_the_kill_cap_no_more() -> None:
+    """Caps are checked where a target is counted, at its first real signal: ladders that
+    started with a report-only step all pass the start, and the cap stops them at the kill."""
+    pol = replace(POLICY, rules=(
+        Rule("orphans", FindingKind.ORPHANED, (Step(None, 30.0), Step("SIGKILL", 10.0))),
+    ), limits=Limits(max_signalled_per_poll=2, max_signalled_per_hour=2,
+                     node_max_signalled_per_hour=2, post_action_delay=0.0))  # fmt: skip
+    pids = list(range(A, A + 10))
+    snapshot, findings = host(*pids).build(), [orphan(p) for p in pids]
+    first = poll(findings, snapshot, PlanState(), 0.0, pol)
+    assert signals(first) == []
+    assert len(first.state.ladders) == 10
+    due = poll(findings, snapshot, first.state, 30.0, pol)
+    assert signals(due) == [(A, "SIGKILL", 2, False), (A + 1, "SIGKILL", 2, False)]
+    over = "more than 2 processes in one hour on the node"
+    assert levels(due, EventName.LIMITS_KILL_CAP_REACHED) == [(over, Level.CRITICAL)]
+    assert due.state.forced_dry_run
+    held = poll(findings, snapshot, deliver(due, 30.0).state, 31.0, pol)
+    assert signals(held) == []
+    assert whys(due, EventName.ACTION_REFUSED) == ["dry_run (kill cap engaged)"] * 8
+    assert whys(held, EventName.ACTION_REFUSED) == []  # said once
+    # A user's cap alone: the ladder that would pass it holds, and only that user's latch.
+    pol = replace(pol, limits=replace(pol.limits, node_max_signalled_per_hour=32))
+    first = poll(findings, snapshot, PlanState(), 0.0, pol)
+    due = poll(findings, snapshot, first.state, 30.0, pol)
+    assert len(signals(due)) == 2
+    assert not due.state.forced_dry_run
+    assert set(due.state.scope_latches) == {"uid:1000"}
 
 
 def test_a_rootless_containers_process_counts_against_its_owners_kill_cap() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,13 +22,13 @@ from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.act.reset import perform_reset
 from gpuwatchd.act.reset_resume import resume_interrupted
 from gpuwatchd.act.reset_target import ResetOutcome, ResetTarget
-from gpuwatchd.core.model import MIB, CgroupInfo, FindingKind, ProcessIdentity, Snapshot
+from gpuwatchd.core.model import MIB, CgroupInfo, FindingKind, ProcessIdentity, Snapshot, Spare
 from gpuwatchd.core.vocabulary import ResetStep
 from gpuwatchd.decide.assess.passes import assess
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.plan.monitors import StoppableMonitor, monitors_to_stop
 from gpuwatchd.decide.plan.resets import reset_gates
-from gpuwatchd.decide.policy import Detection, Monitor, Policy, ResetPolicy
+from gpuwatchd.decide.policy import Detection, Monitor, Policy, Protect, ResetPolicy
 from tests.support.fakesmi import FakeSmi
 from tests.support.resetrig import FakeEnvironment
 from tests.support.snapshots import HostBuilder, cg_session, cg_slurm, cg_unit, gpu_uuid
@@ -112,8 +113,19 @@ def test_a_listed_monitor_beside_an_unlisted_one_leaves_that_one_blocking() -> N
 # --- which holders the procedure stops ------------------------------------------------------
 
 
-def _stoppable(builder: HostBuilder, *, owners: Sequence[int] = ()) -> list[int]:
+def _stoppable(
+    builder: HostBuilder,
+    *,
+    owners: Sequence[int] = (),
+    spared: bool = False,
+    policy: Policy | None = None,
+) -> list[int]:
     snapshot = builder.build()
+    if spared:  # the last poll's spare of the monitor itself
+        ticks = snapshot.processes[MONITOR].start_ticks
+        spare = Spare(f"pid:{MONITOR}", snapshot.wall_time + 60.0, "debugging", pid=MONITOR,
+                      start_ticks=ticks)  # fmt: skip
+        snapshot = replace(snapshot, spares=(spare,))
     found = monitors_to_stop(
         snapshot.holders,
         snapshot.processes,
@@ -121,6 +133,8 @@ def _stoppable(builder: HostBuilder, *, owners: Sequence[int] = ()) -> list[int]
         self_pids=frozenset(),
         context_owners=frozenset(owners),
         monitors=(BY_COMMAND,),
+        last=snapshot,
+        policy=policy or Policy(),
     )
     return [m.identity.pid for m in found]
 
@@ -147,6 +161,30 @@ def test_only_a_listed_nvml_only_holder_of_known_identity_is_stopped(
     case: str, builder: HostBuilder, owners: tuple[int, ...], expected: list[int]
 ) -> None:
     assert _stoppable(builder, owners=owners) == expected, case
+
+
+@pytest.mark.parametrize(
+    ("case", "builder", "spared", "protect"),
+    [
+        ("spared", _host(), True, Protect()),
+        ("protect.commands names it", _host(), False, Protect(commands=(re.compile("gpustat"),))),
+        ("protect.users names it", _host(user="alice"), False, Protect(users=("alice",))),
+        ("protect.users and its user unknown", _host(user=None), False, Protect(users=("x",))),
+        (
+            "claims to be nvidia-smi, unverified",
+            _host(comm="nvidia-smi", exe="/usr/bin/nvidia-smi", uid=0, exe_trusted=None,
+                  cmdline=("/usr/bin/nvidia-smi", "-l", "/usr/local/bin/gpustat")),
+            False,
+            Protect(),
+        ),
+    ],
+)  # fmt: skip
+def test_a_monitor_a_kill_target_would_be_refused_for_is_never_stopped(
+    case: str, builder: HostBuilder, spared: bool, protect: Protect
+) -> None:
+    """The floor, a spare and ``protect`` keep the reset from signalling a monitor as they keep
+    a ladder from signalling a target: it stays, and the final scan refuses the reset."""
+    assert _stoppable(builder, spared=spared, policy=Policy(protect=protect)) == [], case
 
 
 # --- the procedure's steps ------------------------------------------------------------------

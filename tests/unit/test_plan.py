@@ -1178,7 +1178,7 @@ _ladders = st.builds(
     status=st.sampled_from(["active", "ended", "stuck", "failed"]),
     dry_run=st.booleans(),
     started=_time,
-)
+).map(lambda lad: replace(lad, target=f"{lad.pid}@{lad.start_ticks}"))  # saved as its target
 _states = st.builds(
     PlanState,
     boot_id=st.none() | _text,
@@ -1187,7 +1187,7 @@ _states = st.builds(
     ),
     notes=st.dictionaries(_text, _text),
     waiting=st.dictionaries(_text, _time),
-    ladders=st.dictionaries(_text, _ladders, max_size=3),
+    ladders=st.lists(_ladders, max_size=3).map(lambda ls: {lad.target: lad for lad in ls}),
     quiet_until=st.dictionaries(_text, _time),
     last_reset=st.dictionaries(_text, _time),
     last_dry_reset=st.dictionaries(_text, _time),
@@ -1243,46 +1243,58 @@ def test_a_saved_findings_target_names_its_pid_only_in_ascii_digits(
     assert event(r, EventName.FINDING_RESOLVED)["pid"] == pid
 
 
-_SAVED_LADDER = Ladder("t", 7, 70, "f", "orphans", "GPU-0", (("SIGTERM", 30.0), (None, 0.0)),
+_SAVED_LADDER = Ladder("7@70", 7, 70, "f", "orphans", "GPU-0", (("SIGTERM", 30.0), (None, 0.0)),
                        1, 40.0, LadderStatus.ACTIVE, False, 10.0, "alice")  # fmt: skip
 
 
 def test_a_saved_ladder_keeps_its_keys_in_the_file_order() -> None:
-    saved: Any = PlanState(ladders={"t": _SAVED_LADDER}).to_json()["ladders"]
-    assert json.dumps(saved) == json.dumps({"t": {
-        "target": "t", "pid": 7, "start_ticks": 70, "finding": "f", "rule": "orphans",
+    saved: Any = PlanState(ladders={"7@70": _SAVED_LADDER}).to_json()["ladders"]
+    assert json.dumps(saved) == json.dumps({"7@70": {
+        "target": "7@70", "pid": 7, "start_ticks": 70, "finding": "f", "rule": "orphans",
         "gpu": "GPU-0", "steps": [["SIGTERM", 30.0], [None, 0.0]], "step": 1, "due": 40.0,
         "status": "active", "dry_run": False, "started": 10.0, "user": "alice"}})  # fmt: skip
-    older = {k: v for k, v in saved["t"].items() if k != "user"}  # before "user" was saved
-    restored = PlanState.from_json({"ladders": {"t": older}}).ladders["t"]
+    older = {k: v for k, v in saved["7@70"].items() if k != "user"}  # before "user" was saved
+    restored = PlanState.from_json({"ladders": {"7@70": older}}).ladders["7@70"]
     assert restored == replace(_SAVED_LADDER, user=None)
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"steps": [["SIGTERM"]]}, "plan.ladders.t.steps[0]: expected [signal, wait]"),
-        ({"steps": [["SIGTERM", "x"]]}, "plan.ladders.t: expected a number"),
-        ({"steps": "SIGTERM"}, "plan.ladders.t.steps: expected a list"),
+        ({"steps": [["SIGTERM"]]}, "plan.ladders.7@70.steps[0]: expected [signal, wait]"),
+        ({"steps": [["SIGTERM", "x"]]}, "plan.ladders.7@70: expected a number"),
+        ({"steps": "SIGTERM"}, "plan.ladders.7@70.steps: expected a list"),
         # Only a signal the config allows (never SIGSTOP: a stopped job keeps its memory).
-        ({"steps": [["SIGSTOP", 30.0]]}, "plan.ladders.t.steps[0]: not a signal a ladder sends"),
-        ({"steps": [["sigterm", 30.0]]}, "plan.ladders.t.steps[0]: not a signal a ladder sends"),
-        ({"status": "gone"}, "plan.ladders.t: invalid status or step"),
-        ({"step": 3}, "plan.ladders.t: invalid status or step"),
-        ({"step": -1}, "plan.ladders.t: invalid status or step"),
-        ({"pid": "7"}, "plan.ladders.t.pid: expected an integer"),
-        ({"finding": None}, "plan.ladders.t.finding: expected a string"),
-        ({"user": 5}, "plan.ladders.t.user: expected a string"),
+        ({"steps": [["SIGSTOP", 30.0]]}, "plan.ladders.7@70.steps[0]: not a signal a ladder sends"),
+        ({"steps": [["sigterm", 30.0]]}, "plan.ladders.7@70.steps[0]: not a signal a ladder sends"),
+        ({"status": "gone"}, "plan.ladders.7@70: invalid status or step"),
+        ({"step": 3}, "plan.ladders.7@70: invalid status or step"),
+        ({"step": -1}, "plan.ladders.7@70: invalid status or step"),
+        ({"pid": "7"}, "plan.ladders.7@70.pid: expected an integer"),
+        ({"finding": None}, "plan.ladders.7@70.finding: expected a string"),
+        ({"user": 5}, "plan.ladders.7@70.user: expected a string"),
+        # Each under its own target: a copy under another key repeated its step every poll.
+        ({"target": "8@70"}, "plan.ladders.7@70: not saved under its target"),
+        ({"pid": 8}, "plan.ladders.7@70: not saved under its target"),
+        ({"start_ticks": 71}, "plan.ladders.7@70: not saved under its target"),
     ],
 )
 def test_a_damaged_saved_ladder_is_named_in_the_error(
     change: dict[str, object], message: str
 ) -> None:
-    saved = PlanState(ladders={"t": _SAVED_LADDER}).to_json()
+    saved = PlanState(ladders={"7@70": _SAVED_LADDER}).to_json()
     ladders: Any = saved["ladders"]
-    ladders["t"].update(change)
+    ladders["7@70"].update(change)
     with pytest.raises(ValueError, match=re.escape(message)):
         PlanState.from_json(json.loads(json.dumps(saved)))
+
+
+def test_a_saved_ladder_under_another_key_is_damage() -> None:
+    """It would be advanced under its own target while the copy under the other key repeated
+    its step at every poll (a real signal each time)."""
+    ladder: Any = PlanState(ladders={"7@70": _SAVED_LADDER}).to_json()["ladders"]
+    with pytest.raises(ValueError, match=re.escape("plan.ladders.X7@70: not saved under its")):
+        PlanState.from_json({"ladders": {"X7@70": ladder["7@70"]}})
 
 
 @pytest.mark.parametrize(

@@ -91,9 +91,7 @@ def _advance_live_ladder(w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo) -> N
         return
     hold = _report_only(ctx, finding) or _ladder_hold(w, ctx, lad, proc, scope)
     if hold is not None:
-        # Not put in ``waiting``: nothing is due until the hold lifts (no busy loop).
-        if w.noted(lad.finding_key, f"hold:{hold}"):
-            w.event(EventName.ACTION_REFUSED, Level.INFO, why=hold, **ladder_fields(lad))
+        _hold(w, lad, hold)
         return
     if lad.dry_run and not is_dry_run(w, ctx, scope):
         _restart_after_dry_run(w, lad)
@@ -104,7 +102,17 @@ def _advance_live_ladder(w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo) -> N
         w.event(EventName.ACTION_REFUSED, Level.WARNING, why=why, **ladder_fields(lad))
         w.intents.extend(action_ended(lad, ActionOutcome.FAILED, f"refused: {why}"))
         return
+    if _first_signal_capped(w, ctx, lad, proc, finding):
+        _hold(w, lad, "dry_run (kill cap engaged)")  # as its latch holds it from now on
+        return
     _emit_step(w, ctx, lad, proc, finding)
+
+
+def _hold(w: Work, lad: Ladder, why: str) -> None:
+    """The ladder's next step waits: said once. Not put in ``waiting``: nothing is due until
+    the hold lifts (no busy loop)."""
+    if w.noted(lad.finding_key, f"hold:{why}"):
+        w.event(EventName.ACTION_REFUSED, Level.INFO, why=why, **ladder_fields(lad))
 
 
 def _last_step_over(w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo) -> None:
@@ -359,18 +367,54 @@ def _kill_caps(
 ) -> Ladder:
     """A new ladder against the kill caps: past one, a real ladder starts as a dry run and the
     latch engages; a policy's dry run books the same in its shadow (shadow.py)."""
+    if lad.dry_run and not previewing(w, ctx):
+        return lad
+    return replace(lad, dry_run=True) if _cap_reached(w, ctx, lad, proc, finding) else lad
+
+
+def _first_signal_capped(
+    w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo | None, finding: Finding
+) -> bool:
+    """Whether a ladder's next step, its first signal (the steps before it only reported),
+    would pass a kill cap: the latch engages as at a ladder's start, and the ladder holds (a
+    real one by its latch; a would-be one by the would-be latch, which does not force it)."""
+    if lad.steps[lad.step][0] is None:
+        return False
+    if not lad.dry_run:
+        signalled = {t for t, _ in w.signal_history}
+    elif previewing(w, ctx):
+        signalled = {t for t, _ in w.shadow.signalled} | w.shadow.forced
+    else:
+        return False  # a ladder a kill cap forced to a dry run counts nothing
+    return lad.target not in signalled and _cap_reached(w, ctx, lad, proc, finding, held=True)
+
+
+def _cap_reached(
+    w: Work,
+    ctx: Ctx,
+    lad: Ladder,
+    proc: ProcessInfo | None,
+    finding: Finding,
+    *,
+    held: bool = False,
+) -> bool:
+    """Whether one more target, ``lad``'s, would pass a kill cap: the latch engages (in a
+    preview the would-be one, forcing ``lad`` to a dry run unless it is ``held``)."""
     scope = kill_cap_scope(proc, ctx.snapshot.subuid_ranges)
     if not lad.dry_run:
         exceeded = cap_exceeded(ctx.policy.limits, scope, w.signal_history, w.signal_scopes,
                                 w.new_targets)  # fmt: skip
         signalled = len(w.signal_history)
-    elif previewing(w, ctx):
-        exceeded = w.shadow.admit(lad.target, scope, ctx.policy.limits, ctx.wall)
-        signalled = len(w.shadow.signalled)
     else:
-        return lad
+        limits, wall = ctx.policy.limits, ctx.wall
+        exceeded = (
+            w.shadow.engage(scope, limits, wall)
+            if held
+            else w.shadow.admit(lad.target, scope, limits, wall)
+        )
+        signalled = len(w.shadow.signalled)
     if exceeded is None:
-        return lad
+        return False
     latched, over = exceeded
     if lad.dry_run:  # a would-be latch: nothing was switched
         level, would = Level.WARNING, {"dry_run": True}
@@ -385,7 +429,7 @@ def _kill_caps(
             user=None if proc is None else proc.user,
             until=ctx.wall + ctx.policy.limits.kill_cap_latch, **would,
             signalled_this_hour=signalled, **finding_fields(finding))  # fmt: skip
-    return replace(lad, dry_run=True)
+    return True
 
 
 def _report_only(ctx: Ctx, finding: Finding) -> str | None:

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from gpuwatchd.core.model import HolderScan, ProcessIdentity, ProcessInfo
-from gpuwatchd.decide.floor import is_infrastructure, system_cgroup
+from gpuwatchd.core.model import HolderScan, ProcessIdentity, ProcessInfo, Snapshot
+from gpuwatchd.decide.floor import is_infrastructure, system_cgroup, unverified_infrastructure
 from gpuwatchd.decide.patterns import command_search
-from gpuwatchd.decide.policy import Monitor
+from gpuwatchd.decide.policy import Monitor, Policy
+from gpuwatchd.decide.spares import spare_reason
+from gpuwatchd.decide.targets import protect_refusal
 
 MAX_MONITORS = 16  # reset.monitors: more on one GPU node is a mistake
 # A unit entry's name: a system service, handed to ``systemctl stop`` as one argument (never
@@ -62,12 +64,16 @@ def monitors_to_stop(
     self_pids: frozenset[int],
     context_owners: Collection[int],
     monitors: Sequence[Monitor],
+    last: Snapshot,
+    policy: Policy,
 ) -> list[StoppableMonitor]:
     """The holders of GPU ``minor`` in a fresh scan that the reset procedure stops (which:
-    docs/internals.md); anything else is left for the final scan."""
+    docs/internals.md); anything else is left for the final scan. Never one a kill target
+    would be refused for by the floor, a spare (``last`` poll's) or ``protect``."""
     found: list[StoppableMonitor] = []
     if minor is None or not monitors:
         return found
+    fresh = replace(last, holders=holders, processes=processes)
     for holding in holders.holders_of(minor):
         pid = holding.pid
         proc = processes.get(pid)
@@ -75,7 +81,9 @@ def monitors_to_stop(
             continue
         if proc.identity is None or proc.is_zombie or proc.is_uninterruptible:
             continue
-        if is_infrastructure(proc):
+        if is_infrastructure(proc) or unverified_infrastructure(proc) is not None:
+            continue
+        if spare_reason(proc, fresh) is not None or protect_refusal(proc, policy) is not None:
             continue
         entry = monitor_entry(proc, monitors)
         if entry is not None:

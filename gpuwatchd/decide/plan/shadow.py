@@ -197,6 +197,14 @@ class ShadowWork:
         if self.latched(scope):
             self.forced.add(target)
             return None
+        capped = self.engage(scope, limits, wall)
+        if capped is not None:
+            self.forced.add(target)
+        return capped
+
+    def engage(self, scope: str, limits: Limits, wall: float) -> tuple[str, str] | None:
+        """(the scope latched, ``scope`` or "node", and why) when one more target of ``scope``
+        would pass a cap: the would-be latch engages from wall time ``wall``; else None."""
         capped = cap_exceeded(limits, scope, self.signalled, self.scopes, self.new_targets)
         if capped is None:
             return None
@@ -204,7 +212,6 @@ class ShadowWork:
             self.capped, self.capped_since = capped[1], wall
         else:
             self.latches[scope] = (capped[1], wall)
-        self.forced.add(target)
         return capped
 
     def count(self, target: str, scope: str, now: float) -> None:

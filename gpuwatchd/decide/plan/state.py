@@ -198,7 +198,7 @@ class PlanState:
             seen=_SEEN.load_all(d.get("seen", {}), "plan.seen"),
             notes=_each(text, d.get("notes", {}), "plan.notes"),
             waiting=numbers(d.get("waiting", {}), "plan.waiting"),
-            ladders=_each(_ladder, d.get("ladders", {}), "plan.ladders"),
+            ladders=_ladders(d.get("ladders", {}), "plan.ladders"),
             quiet_until=numbers(d.get("quiet_until", {}), "plan.quiet_until"),
             last_reset=numbers(d.get("last_reset", {}), "plan.last_reset"),
             last_dry_reset=numbers(d.get("last_dry_reset", {}), "plan.last_dry_reset"),
@@ -318,6 +318,16 @@ def _ladder(value: object, what: str) -> Ladder:
     if found["status"] not in set(LadderStatus) or not 0 <= found["step"] <= len(found["steps"]):
         raise ValueError(f"{what}: invalid status or step")
     return Ladder(**{**found, "status": LadderStatus(found["status"])})
+
+
+def _ladders(value: object, what: str) -> dict[str, Ladder]:
+    """The saved ladders, each under its own target, ``pid@start_ticks``: one under another key
+    would be advanced under its target while the copy repeated its step at every poll."""
+    ladders = _each(_ladder, value, what)
+    for key, lad in ladders.items():
+        if not key == lad.target == f"{lad.pid}@{lad.start_ticks}":
+            raise ValueError(f"{what}.{key}: not saved under its target, pid@start_ticks")
+    return ladders
 
 
 def unfinished_recoveries(state: PlanState) -> dict[str, str]:

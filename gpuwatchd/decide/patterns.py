@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import importlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 try:  # the parser ``re`` itself uses: Python 3.11+, then 3.10's name
@@ -19,6 +19,16 @@ except ImportError:  # pragma: no cover - Python 3.10
 _MAXREPEAT: int = _sre_parse.MAXREPEAT
 
 MAX_COMMAND_TEXT = 4096  # characters of a command line a pattern sees
+
+
+def command_text(cmdline: Sequence[str]) -> str:
+    """A command line as events and findings carry it: its first MAX_COMMAND_TEXT characters
+    (what a pattern sees), and how many more were cut (a user's arguments may be megabytes)."""
+    joined = " ".join(cmdline)
+    cut = len(joined) - MAX_COMMAND_TEXT
+    return joined if cut <= 0 else f"{joined[:MAX_COMMAND_TEXT]} [... {cut} characters cut]"
+
+
 MAX_STATES = 20_000  # automaton size; only counted repeats ({1000}) come near it
 # Copies the counted repeats of one pattern make in all (nested ones multiply): each copy can
 # be a live state on every character of every command line ([^/]{1,4000}: 2-3 s a 4 KiB line).

@@ -12,7 +12,7 @@ from gpuwatchd.core.model import Finding, GpuInfo, ProcessInfo, Snapshot
 from gpuwatchd.decide.floor import infrastructure, unverified_infrastructure
 from gpuwatchd.decide.gpu_ids import same_pci_bus_id
 from gpuwatchd.decide.mig.instances import parent_of
-from gpuwatchd.decide.patterns import MAX_COMMAND_TEXT, command_search
+from gpuwatchd.decide.patterns import MAX_COMMAND_TEXT, command_search, command_text
 from gpuwatchd.decide.policy import Policy, Rule
 from gpuwatchd.decide.spares import spare_reason
 
@@ -202,14 +202,6 @@ def refusal(
     if finding.pid != process.pid or finding.start_ticks != process.start_ticks:
         return "identity: the PID now belongs to another process"
     return None
-
-
-def command_text(cmdline: Sequence[str]) -> str:
-    """A command line as events carry it: its first MAX_COMMAND_TEXT characters (what a
-    pattern sees), and how many more were cut (a user's arguments may be megabytes)."""
-    joined = " ".join(cmdline)
-    cut = len(joined) - MAX_COMMAND_TEXT
-    return joined if cut <= 0 else f"{joined[:MAX_COMMAND_TEXT]} [... {cut} characters cut]"
 
 
 def process_facts(process: ProcessInfo | None) -> dict[str, object]:

@@ -502,6 +502,28 @@ def test_listed_zombie_names_the_parent_that_must_reap_it() -> None:
     assert "parent 1600 must reap it" in zombie.reason
 
 
+def test_a_command_line_in_a_findings_evidence_is_cut_as_events_cut_it() -> None:
+    """A user's arguments may be megabytes: evidence (saved, logged, served) keeps the first
+    4,096 characters, what a pattern sees, and says how many more there were."""
+    long = "x" * 100_000
+    builder = (
+        HostBuilder()
+        .gpu(0, allocated=LEAK)
+        .proc(1600, comm="bash", cmdline=("bash", long))
+        .proc(1601, ppid=1600, state="Z", cmdline=())
+        .proc(1602, ppid=1, pgid=1600, sid=1600, holds={0}, uvm=True, cmdline=("python", long))
+        .nvml(0, 1601)
+    )
+    found = run(builder.build())
+
+    def cut(text: str) -> str:
+        return f"{text[:4096]} [... {len(text) - 4096} characters cut]"
+
+    assert only(found, FindingKind.ZOMBIE).evidence["parent_cmdline"] == cut(f"bash {long}")
+    orphan = next(f for f in found.findings if f.pid == 1602)
+    assert orphan.evidence["cmdline"] == cut(f"python {long}")
+
+
 def test_worker_whose_recorded_parent_is_a_listed_zombie_is_orphaned() -> None:
     first = run(orphan_host().build())
     zombie_parent = orphan_host().change(200, state="Z").change(201, ppid=1)

@@ -21,6 +21,7 @@ from gpuwatchd.decide.assess.host_view import HostView, relation
 from gpuwatchd.decide.assess.shared import AssessorState, Outcome, mib
 from gpuwatchd.decide.assess.state import Lineage
 from gpuwatchd.decide.floor import is_infrastructure
+from gpuwatchd.decide.patterns import command_text
 
 _HIDDEN = "holds the GPU without a context; not explained by a live context owner"
 
@@ -380,7 +381,7 @@ def _process_evidence(
         "pgid": proc.pgid,
         "sid": proc.sid,
         "user": proc.user,
-        "cmdline": " ".join(proc.cmdline) if proc.cmdline is not None else None,
+        "cmdline": command_text(proc.cmdline) if proc.cmdline is not None else None,
         "cgroup": proc.cgroup.path if proc.cgroup is not None else None,
         "job": proc.cgroup.job_key if proc.cgroup is not None else None,
         "recorded_ppid": recorded.ppid if recorded is not None else None,

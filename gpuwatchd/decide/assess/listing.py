@@ -7,6 +7,7 @@ from __future__ import annotations
 from gpuwatchd.core.model import FindingKind, GpuInfo
 from gpuwatchd.decide.assess.host_view import Listing
 from gpuwatchd.decide.assess.shared import AssessorState
+from gpuwatchd.decide.patterns import command_text
 
 
 class ListingPass(AssessorState):
@@ -77,4 +78,4 @@ class ListingPass(AssessorState):
         proc = self.host.procs.get(pid) if pid is not None else None
         if proc is None or proc.cmdline is None:
             return None
-        return " ".join(proc.cmdline)
+        return command_text(proc.cmdline)

@@ -172,9 +172,9 @@ def test_an_xid_after_a_reset_asks_again_when_the_wall_clock_stepped_back_in_bet
     assert rebase_wall(state, -5.0) is state  # forward: time passed
 
 
-def test_a_backward_step_moves_every_wall_time_of_the_health_history_and_nothing_else() -> None:
-    at = 5000.0
-    before = GpuHealthState(
+def _history_at(at: float) -> GpuHealthState:
+    """A health history with every wall time an offset from ``at`` (and two that are not)."""
+    return GpuHealthState(
         xids={48: XidRecord(3, at, at + 1)},
         last_reset=at + 2,
         since={"reset_required": at + 3},
@@ -183,30 +183,17 @@ def test_a_backward_step_moves_every_wall_time_of_the_health_history_and_nothing
         fabric_since=at + 5,
         checked_reset=at + 2,
         unhealed=("recovery:1",),
-        klog_pos=77,
+        klog_pos=77,  # microseconds since boot: no wall time
         sightings=(Sighting(48, at + 6, "nvml"),),
         details={48: XidDetail(9, "python3", "slurm:1", "text", False, at + 7)},
         xid_log={48: XidLog(at + 8, 2, at + 9, at + 10)},
     )
-    after = rebase_wall(HealthState(gpus={GPU0: before, GPU1: GpuHealthState()}), 1000.0)
-    back = at - 1000.0
-    assert after.gpus == {
-        GPU0: GpuHealthState(
-            xids={48: XidRecord(3, back, back + 1)},
-            last_reset=back + 2,
-            since={"reset_required": back + 3},
-            assumed_reset=back + 4,
-            assumed_cured=("remap",),
-            fabric_since=back + 5,
-            checked_reset=back + 2,
-            unhealed=("recovery:1",),
-            klog_pos=77,  # microseconds since boot: no wall time
-            sightings=(Sighting(48, back + 6, "nvml"),),
-            details={48: XidDetail(9, "python3", "slurm:1", "text", False, back + 7)},
-            xid_log={48: XidLog(back + 8, 2, back + 9, back + 10)},
-        ),
-        GPU1: GpuHealthState(),
-    }
+
+
+def test_a_backward_step_moves_every_wall_time_of_the_health_history_and_nothing_else() -> None:
+    state = HealthState(gpus={GPU0: _history_at(5000.0), GPU1: GpuHealthState()})
+    after = rebase_wall(state, 1000.0)
+    assert after.gpus == {GPU0: _history_at(4000.0), GPU1: GpuHealthState()}
 
 
 def test_health_state_round_trips_and_rejects_garbage() -> None:

@@ -482,7 +482,8 @@ def test_a_lock_file_that_fails_the_trust_rule_is_an_unusable_state_dir_exit_78(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], mode: int
 ) -> None:
     """docs/threat-model.md: a lock file writable by group or others is state_dir's fault
-    (exit 78, ``state.dir_unusable``), not a missing privilege (exit 77) though it says EPERM."""
+    (exit 78, ``EventName.STATE_DIR_UNUSABLE``), not a missing privilege (exit 77) though it
+    says EPERM."""
     monkeypatch.setattr(Daemon, "_run_locked", lambda self: 0)  # never polls
     state_dir = tmp_path / "state"
     state_dir.mkdir(mode=0o700)

@@ -219,11 +219,11 @@ def test_a_kill_storm_previews_the_same_ladders_cap_and_holds_as_enforcement() -
     assert_marked_would_be(dry)
     # Enforcement: 4 real SIGTERMs, the cap, 2 forced dry-run ladders; the 4 held after it.
     assert [o for _, _, _, o in enforcing.signals()].count("delivered") == 4
-    (cap,) = dry.entries("limits.kill_cap_reached")
+    (cap,) = dry.entries(EventName.LIMITS_KILL_CAP_REACHED)
     assert cap.fields["dry_run"] is True
     assert cap.level == "warning"  # a would-be latch switches nothing
     assert "would be reached" in cap.text
-    held = [e for e in dry.entries("action.refused") if "kill cap" in str(e.fields["why"])]
+    held = [e for e in dry.entries(EventName.ACTION_REFUSED) if "kill cap" in str(e.fields["why"])]
     assert len(held) == 4
     # The cap is per user: enforcement latches alice's targets only, and so does the preview.
     (real_cap,) = enforcing.entries("limits.kill_cap_reached")
@@ -249,11 +249,11 @@ def test_a_kill_storm_after_a_report_only_step_previews_the_same_cap_and_holds()
     assert decisions(dry) == decisions(enforcing)
     assert_marked_would_be(dry)
     assert [o for _, _, _, o in enforcing.signals()].count("delivered") == 2
-    (cap,) = dry.entries("limits.kill_cap_reached")
+    (cap,) = dry.entries(EventName.LIMITS_KILL_CAP_REACHED)
     assert cap.fields["dry_run"] is True
     assert cap.fields["scope"] == "uid:1000"
     assert len(dry.signals()) == 2  # the rest held, not run on as forced would-be ladders
-    held = [e for e in dry.entries("action.refused") if "kill cap" in str(e.fields["why"])]
+    held = [e for e in dry.entries(EventName.ACTION_REFUSED) if "kill cap" in str(e.fields["why"])]
     assert len(held) == 4
 
 
@@ -294,7 +294,7 @@ events:
     assert ("bob-worker", "SIGKILL") in real  # bob's ladder ran to its end, for real
     would = {(p, sig) for _, p, sig, _ in dry.signals()}
     assert ("bob-worker", "SIGKILL") in would
-    held = [e for e in dry.entries("action.refused") if "kill cap" in str(e.fields["why"])]
+    held = [e for e in dry.entries(EventName.ACTION_REFUSED) if "kill cap" in str(e.fields["why"])]
     assert held
     assert all(str(e.fields.get("process", "")) != "bob-worker" for e in held)
 

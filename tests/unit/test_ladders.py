@@ -420,8 +420,8 @@ def test_a_targets_command_line_is_logged_cut_to_what_a_pattern_sees(
     argument: str, logged: str
 ) -> None:
     """A user's arguments may be megabytes: every event and intent carries the command line's
-    first 4096 characters and how many were cut (target.stuck, action.signal's facts,
-    escalation.ended)."""
+    first 4096 characters and how many were cut (EventName.TARGET_STUCK, ACTION_SIGNAL's
+    facts, ESCALATION_ENDED)."""
     kill = poll([orphan(A)], host(A, cmdline=("python", argument)).build(), started(A), 30.0)
     (intent,) = [i for i in kill.intents if isinstance(i, SignalIntent)]
     assert intent.facts["cmdline"] == logged

@@ -152,10 +152,10 @@ def test_a_damaged_recorded_command_list_changes_nothing_and_is_failed(
 @pytest.mark.parametrize(
     ("uuid", "bus", "reset"),
     [
-        ("i", None, ["nvidia-smi", "mig", "-dgi"]),  # every GPU instance of every GPU
-        ("reset", None, ["nvidia-smi", "--gpu-reset"]),  # every GPU
-        ("x", "0", ["nvidia-smi", "--gpu-reset", "-i", "0"]),  # GPU index 0, whichever it is
-        (UUID[:13], None, ["nvidia-smi", "--gpu-reset", "-i", UUID[:13]]),
+        ("i", None, ["mig", "-dgi"]),  # every GPU instance of every GPU
+        ("reset", None, ["--gpu-reset"]),  # every GPU
+        ("x", "0", ["--gpu-reset", "-i", "0"]),  # GPU index 0, whichever it is
+        (UUID[:13], None, ["--gpu-reset", "-i", UUID[:13]]),
     ],
     ids=["one-letter-uuid", "a-word", "an-index-for-bus-id", "a-uuid-prefix"],
 )
@@ -168,7 +168,7 @@ def test_a_record_whose_gpu_names_are_not_a_gpus_never_names_its_gpu(
     record = next(r for r in run_records(smi) if r["step"] == "reset")
     commands = record["commands"]
     assert isinstance(commands, dict)
-    commands["reset"] = [reset]
+    commands["reset"] = [[smi.argv()[0], *reset]]  # the fake nvidia-smi: nothing real, ever
     record.update(uuid=uuid, pci_bus_id=bus)
     resume_fails_untouched(smi, record, make_policy(smi), "does not name GPU")
 

@@ -152,16 +152,15 @@ def protect_match(process: ProcessInfo, policy: Policy) -> str | None:
 def protect_refusal(process: ProcessInfo, policy: Policy) -> str | None:
     """What in ``protect`` (commands, users, units, cgroups) names ``process``, or the fact it
     needs that is unknown: either refuses it, as :func:`refusal` does; None otherwise."""
-    for _matched, why in _process_protect_checks(process, policy):
-        return why
-    return None
+    return next((why for _matched, why in _process_protect_checks(process, policy)), None)
 
 
 def _protect_reason(
     process: ProcessInfo, finding: Finding, snapshot: Snapshot, policy: Policy
 ) -> str | None:
-    for _matched, why in _process_protect_checks(process, policy):
-        return why  # a match, or an unknown fact: either way the target is refused
+    refused = protect_refusal(process, policy)  # a match, or an unknown fact
+    if refused is not None:
+        return refused
     if policy.protect.gpus:
         uuids: list[str | None] = [finding.gpu]
         holding = snapshot.holders.holdings.get(process.pid)

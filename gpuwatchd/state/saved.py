@@ -5,6 +5,7 @@ In detail: docs/internals.md, section `gpuwatchd.state.saved`.
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from collections.abc import Mapping
@@ -106,13 +107,15 @@ class StateStore:
 
     def load(self) -> dict[str, object]:
         """The saved dict; {} when there is none. A corrupt or untrusted file is moved aside
-        and logged."""
+        and logged; one that cannot be read now (EIO, EMFILE, ENOMEM) stays: OSError naming it."""
         directory = self.directory()
         try:
             return STATE.load(directory.read(STATE_FILE, MAX_STATE_BYTES + 1))
         except FileNotFoundError:
             return {}
-        except OSError as err:  # UntrustedFile too
+        except OSError as err:  # UntrustedFile, a link (ELOOP) or a socket (ENXIO): not ours
+            if not isinstance(err, UntrustedFile) and err.errno not in (errno.ELOOP, errno.ENXIO):
+                raise OSError(err.errno, cannot_read(self.path, err)) from err
             why = f"unreadable: {err.strerror or err}"
         except ValueError as err:
             why = str(err)

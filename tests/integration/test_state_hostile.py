@@ -196,6 +196,37 @@ def test_an_error_the_loop_does_not_expect_ends_in_a_restartable_exit(
     assert EventName.STATE_DIR_UNUSABLE not in [e["event"] for e in logs]
 
 
+@pytest.mark.parametrize("error", [errno.EIO, errno.EMFILE, errno.ENOMEM])
+def test_a_state_file_that_cannot_be_read_now_fails_the_start_and_is_kept(
+    state_dir: Path, monkeypatch: pytest.MonkeyPatch, error: int
+) -> None:
+    """Only a malformed or untrusted state file is moved aside: one that a transient error
+    keeps from being read still holds the ladders, the kill cap and the resets, so the start
+    fails (exit 1, naming the file; systemd tries again) and the file stays for the next one."""
+    (state_dir / "state.json").write_text('{"version": 1}')
+    daemon = _daemon(state_dir)
+    directory = daemon.store.directory()
+    read = directory.read
+
+    def failing_read(name: str, limit: int) -> bytes:
+        if name == "state.json":
+            raise OSError(error, os.strerror(error))
+        return read(name, limit)
+
+    def started() -> None:
+        raise AssertionError("the daemon started without its saved state")
+
+    monkeypatch.setattr(directory, "read", failing_read)
+    monkeypatch.setattr(daemon, "poll_once", started)
+    monkeypatch.setattr(daemon, "_install_signal_handlers", lambda: None)
+    with capture_logs() as logs, pytest.raises(RuntimeError) as got:
+        daemon.run()
+    assert f"cannot read {state_dir / 'state.json'}: {os.strerror(error)}" in str(got.value)
+    assert EventName.STATE_CORRUPT not in [e["event"] for e in logs]
+    assert sorted(p.name for p in state_dir.iterdir()) == ["lock", "state.json"]
+    assert (state_dir / "state.json").read_text() == '{"version": 1}'
+
+
 @pytest.mark.parametrize("ending", ["stopped", "once answered", "loop failed"])
 def test_a_lock_that_cannot_be_released_keeps_the_answer_of_the_loop(
     state_dir: Path, monkeypatch: pytest.MonkeyPatch, ending: str

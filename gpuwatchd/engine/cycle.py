@@ -180,8 +180,8 @@ class Engine:
         if any(self._irreversible(intent) for intent in result.intents):
             # The new plan state already counts each step and kill-cap entry as taken: it is
             # saved before anything irreversible, so a crash in between never repeats a step
-            # nor forgets it (at worst one signal is not sent, and the ladder goes on after its
-            # wait). If it cannot be saved, nothing irreversible is done this poll.
+            # nor forgets it (a crash at worst leaves one signal unsent, and the ladder goes on
+            # after its wait). If it cannot be saved, nothing irreversible is done this poll.
             previous = state.plan
             state.plan = result.state
             if not self.checkpoint():
@@ -272,18 +272,17 @@ class Engine:
         return assessment
 
     def _carry_out_until_stopped(self, intents: Sequence[Intent]) -> list[Intent]:
-        """Carry out the intents in order until the daemon is told to stop; those carried out.
-        A stop leaves the signals and resets still to come, never a hook: the state saved
-        before acting books each hook as run (a drain done, a page sent), so one left would be
-        lost for good; each is bounded by its timeout. After a real signal, the exits it
-        caused are seen before the checkpoint."""
+        """Carry out the intents in order; those carried out. A stop leaves the resets still
+        to come (a reset is long), never a signal or a hook: the state saved before acting
+        books each as taken (a ladder step and its kill-cap entry, a drain done, a page sent),
+        so one left would be lost for good; a signal takes microseconds, a hook is bounded by
+        its timeout. After a real signal, the exits it caused are seen before the checkpoint."""
         signalled = False
         carried: list[Intent] = []
         for intent in intents:
-            if not isinstance(intent, HookIntent) and self.stopping():
-                if isinstance(intent, ResetIntent):
-                    # A reset handed over but never started books no outcome: not in flight.
-                    self._drop_in_flight(intent.gpu, "the daemon stopped before it started")
+            if isinstance(intent, ResetIntent) and self.stopping():
+                # A reset handed over but never started books no outcome: not in flight.
+                self._drop_in_flight(intent.gpu, "the daemon stopped before it started")
                 continue
             self._carry_out(intent)
             carried.append(intent)

@@ -304,6 +304,19 @@ def test_a_stop_before_the_reset_starts_leaves_no_reset_in_flight() -> None:
     assert cleared["why"] == "the daemon stopped before it started"
 
 
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_a_stop_during_a_poll_still_sends_its_signals_so_a_restart_never_skips_a_step(
+    dry_run: bool,
+) -> None:
+    """The state saved before the poll acts counts its SIGTERM as sent: a stop there that
+    left it would have the restarted ladder go on to SIGKILL a target never asked to end."""
+    r = rig(make_policy(dry_run=dry_run), orphan_host)
+    r.engine.stopping = lambda: True  # SIGTERM to the daemon as the poll starts to carry out
+    r.poll_at(0.0)
+    assert r.actuator.signals == [(201, "SIGTERM", dry_run)]
+    assert [s["signal"] for s in r.sink.named(EventName.ACTION_SIGNAL)] == ["SIGTERM"]
+
+
 def test_a_reset_in_flight_with_no_record_is_cleared_at_start_and_resets_go_on() -> None:
     """A crash before the reset's first record (or after its last, before the booking) leaves
     the marker alone: the start clears it, books nothing, and a later reset runs."""
@@ -516,8 +529,8 @@ class _HealthResetHost:
 
 def test_a_stop_during_a_poll_still_runs_its_hooks_so_a_restart_never_skips_them() -> None:
     """The state saved before the poll acts books its hooks as run (a health reset's drain
-    done, a stuck target's page sent): a stop there leaves the signals and resets still to
-    come, never a hook, or after the restart the reset would skip a drain that never ran."""
+    done, a stuck target's page sent): a stop there leaves the resets still to come, never
+    a hook, or after the restart the reset would skip a drain that never ran."""
     pol = make_policy("reset: {drain: [[drain-gpu, '{uuid}']], confirm_for: 0s, cooldown: 0s}")
     first = rig(pol, _HealthResetHost)  # type: ignore[arg-type]
     first.engine.stopping = lambda: True  # SIGTERM as the poll starts to carry out

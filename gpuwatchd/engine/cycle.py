@@ -58,6 +58,7 @@ from gpuwatchd.decide.plan.decisions import (
 from gpuwatchd.decide.plan.intents import HookIntent, Intent, PlanResult, ResetIntent, SignalIntent
 from gpuwatchd.decide.plan.monitors import StoppableMonitor, monitors_to_stop
 from gpuwatchd.decide.plan.outcomes import (
+    RESUMED,
     record_assumed_exit,
     record_exit,
     record_reset,
@@ -811,7 +812,7 @@ class Engine:
                 minor=as_int(record.get("minor")),
                 finding_key=flight.finding_key,
                 dry_run=False,
-                reason="resumed after an interruption",
+                reason=RESUMED,
                 facts={},
                 instance=from_record(record.get("recovery")),
                 layout=tuple(r for r in recoveries if r is not None),

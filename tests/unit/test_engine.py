@@ -288,6 +288,20 @@ def test_an_interrupted_reset_is_booked_so_later_resets_are_not_refused_as_in_fl
     assert second.sink.named(EventName.RESET_SUCCEEDED)
 
 
+def test_a_reset_undone_after_a_restart_in_its_drain_is_held_saying_so() -> None:
+    """A restart while the reset's drain hook ran undoes the reset and holds it for the
+    incident (no crash loop), with a reason that says the restart, not the procedure, held it."""
+    pol = make_policy("reset: {confirm_for: 0s, cooldown: 1m}")
+    state = _interrupted_during_the_reset(pol, step="drain", reset_started=False)
+    second = rig(pol, ghost_host, state=state)
+    second.clock.now = 5.0
+    second.engine.resume_interrupted_reset()
+    assert reset_commands(second) == []
+    why = "the daemon restarted during the reset, before it took effect"
+    assert [e["why"] for e in second.sink.named(EventName.RESET_REFUSED)] == [why]
+    assert second.engine.state.plan.reset_refusals[GPU0].reason == why
+
+
 def test_a_stop_before_the_reset_starts_leaves_no_reset_in_flight() -> None:
     """SIGTERM while the poll that hands a reset to act collects: the reset never starts and
     books nothing, so the state the stop saves holds no in-flight marker (nothing would ever

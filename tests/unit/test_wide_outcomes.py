@@ -12,7 +12,7 @@ from gpuwatchd.core.model import FindingKind, ProcessIdentity
 from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.decide.mig.recovery import InstanceRecovery
 from gpuwatchd.decide.plan.intents import HookIntent, PlanResult, ResetIntent, SignalIntent
-from gpuwatchd.decide.plan.outcomes import record_exit, record_reset, record_signal
+from gpuwatchd.decide.plan.outcomes import RESUMED, record_exit, record_reset, record_signal
 from gpuwatchd.decide.plan.state import MigUnfinished, PlanState, ResetInFlight, ResetRefusal
 from gpuwatchd.decide.policy import HealthPolicy, Policy
 from tests.support.gatecases import (
@@ -231,6 +231,8 @@ INTENT = ResetIntent(
     reason="ghost memory", facts={"user": None},
 )  # fmt: skip
 DRY = replace(INTENT, dry_run=True)
+RESUMED_INTENT = replace(INTENT, reason=RESUMED)  # a reset a restart undid (engine/cycle.py)
+RESTARTED = "the daemon restarted during the reset, before it took effect"
 IN_USE = "the driver refused: in use by another client that no holder scan found"
 HELD = "a dry run's final holder scan found the GPU held"
 
@@ -253,6 +255,11 @@ def _booked(result: PlanResult) -> list[tuple[object, ...]]:
             [(EventName.RESET_REFUSED, "refused", "refused by the reset procedure", False, None)],
             ResetRefusal(INTENT.finding_key, "refused by the reset procedure", False, WALL),
             id="refused",
+        ),
+        pytest.param(
+            RESUMED_INTENT, "refused", {},
+            [(EventName.RESET_REFUSED, "refused", RESTARTED, False, None)],
+            ResetRefusal(INTENT.finding_key, RESTARTED, False, WALL), id="refused-at-a-restart",
         ),
         pytest.param(
             INTENT, "in_use", {}, [(EventName.RESET_REFUSED, "in_use", IN_USE, True, None)],

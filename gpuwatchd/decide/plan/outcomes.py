@@ -33,6 +33,8 @@ from gpuwatchd.decide.plan.intents import (
 )
 from gpuwatchd.decide.plan.state import MigUnfinished, PlanState, ResetRefusal
 
+RESUMED = "resumed after an interruption"  # the reason of a reset a restart finished or undid
+
 
 def record_signal(
     state: PlanState, intent: SignalIntent, outcome: str, *, now: float
@@ -183,6 +185,8 @@ def _book_refusal(
     why = (
         "the driver refused: in use by another client that no holder scan found"
         if in_use
+        else "the daemon restarted during the reset, before it took effect"
+        if intent.reason == RESUMED
         else "refused by the reset procedure"
     )
     if not intent.dry_run:

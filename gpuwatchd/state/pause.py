@@ -51,8 +51,8 @@ def set_pause(
     clock: BootTime | None = None,
     seconds: float | None = None,
 ) -> None:
-    """Pause (``reason`` a string, may be empty) for ``seconds`` from ``clock`` (now), or
-    resume (``reason`` None)."""
+    """Pause (``reason`` a string, may be empty) for ``seconds`` from ``clock`` (now), the
+    note of a resume the daemon has not seen discarded; or resume (``reason`` None)."""
     if reason is None:
         state_dir.discard(PAUSE_FILE)
         return
@@ -61,6 +61,7 @@ def set_pause(
         stamp = clock.stamp(seconds)
     body = {"reason": reason[:MAX_REASON], **stamp, "by_uid": os.getuid()}
     state_dir.write(PAUSE_FILE, PAUSE.encode(body))
+    state_dir.remove(RESUMED_FILE)  # it would explain the next resume, which may have none
 
 
 def read_pause_switch(state_dir: StateDir) -> PauseSwitch | None:

@@ -150,6 +150,21 @@ def test_resume_reason_is_said_once_and_then_consumed(state: StateDir, tmp_path:
     assert poll_pause(state, clock, max_pause=DAY).resumed == "gpuwatchd resume"
 
 
+def test_a_new_pause_discards_the_note_of_a_resume_the_daemon_never_saw(
+    state: StateDir, tmp_path: Path
+) -> None:
+    """``resume --reason`` then ``pause`` before the daemon's next poll (or while it is down):
+    the note of that resume must not explain the next, plain one."""
+    clock = BootTime(NOW, 1.0, "b1")
+    note_resume(state, "upgrade done")
+    set_pause(state, reason=None)
+    set_pause(state, reason="maintenance", clock=clock, seconds=3600)
+    assert not (tmp_path / RESUMED_FILE).exists()
+    assert poll_pause(state, clock, max_pause=DAY).reason == "maintenance"
+    set_pause(state, reason=None)
+    assert poll_pause(state, clock, max_pause=DAY).resumed == "gpuwatchd resume"
+
+
 def test_a_failed_clear_latches_request_leaves_the_pause_in_force_as_it_says(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

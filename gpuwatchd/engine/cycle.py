@@ -15,7 +15,7 @@ from dataclasses import KW_ONLY, dataclass, field, replace
 from gpuwatchd.act.commands import CommandResult, PreparedHook, fill_hooks, run_hooks
 from gpuwatchd.act.evidence import EvidenceAction, EvidenceKeeper, Kept, Step
 from gpuwatchd.act.reset import perform_reset
-from gpuwatchd.act.reset_resume import of_another_boot, resume_interrupted
+from gpuwatchd.act.reset_resume import of_another_boot, resume_interrupted, shown_record
 from gpuwatchd.act.reset_target import ResetOutcome, ResetTarget, outcome_event, progress_record
 from gpuwatchd.core.checked import as_list, as_text
 from gpuwatchd.core.model import (
@@ -780,7 +780,7 @@ class Engine:
         """:meth:`resume_interrupted_reset` of ``record``, the progress record."""
         if pause is not None and pause.reason is not None:
             self.set_paused(pause.reason, until=pause.until)
-        self.emit(EventName.RESET_RESUME, Level.WARNING, record=record)
+        self.emit(EventName.RESET_RESUME, Level.WARNING, record=shown_record(record))
         outcome = resume_interrupted(
             record,
             self.policy.reset,

@@ -288,6 +288,26 @@ def test_an_interrupted_reset_is_booked_so_later_resets_are_not_refused_as_in_fl
     assert second.sink.named(EventName.RESET_SUCCEEDED)
 
 
+@pytest.mark.parametrize("step", ["reset", "no such step"])
+def test_a_huge_record_is_shown_cut_in_every_event_of_its_resume(step: str) -> None:
+    """A record is read from the state file (hostile, up to its size): ``reset.resume`` shows
+    its GPU, step and commands, each cut as events cut values, and no event of the resume
+    carries it whole (not the reason an unreadable one is failed with either)."""
+    pol = make_policy("reset: {confirm_for: 0s, cooldown: 1m}")
+    extra: dict[str, object] = {f"key{n}": "x" * 100 for n in range(10_000)}
+    state = _interrupted_during_the_reset(pol, commands={"reset": [["y" * 100_000]]}, **extra)
+    assert isinstance(state.reset_in_progress, dict)
+    state.reset_in_progress["step"] = step
+    second = rig(pol, ghost_host, state=state)
+    second.engine.resume_interrupted_reset()
+    (resume,) = second.sink.named(EventName.RESET_RESUME)
+    shown = resume["record"]
+    assert isinstance(shown, dict)
+    assert (shown["uuid"], shown["step"]) == (GPU0, step)
+    assert str(shown["commands"]).startswith("{'reset': [['yyy")
+    assert max(len(repr(fields)) for _, _, fields in second.sink.events) < 5000
+
+
 def test_a_stop_before_the_reset_starts_leaves_no_reset_in_flight() -> None:
     """SIGTERM while the poll that hands a reset to act collects: the reset never starts and
     books nothing, so the state the stop saves holds no in-flight marker (nothing would ever

@@ -5,6 +5,7 @@ In detail: docs/internals.md, section `gpuwatchd.act.reset_resume`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping
 
 from gpuwatchd.act.commands import run_command
@@ -31,11 +32,19 @@ from gpuwatchd.decide.mig.recovery import (
 )
 from gpuwatchd.decide.plan.monitors import UNIT_NAME
 from gpuwatchd.decide.policy import ResetPolicy
+from gpuwatchd.events.words import short
 
 REBOOTED = (
     "the node rebooted since: no GPU command was run, only the monitors' units started "
     "and the after hooks"
 )
+MAX_SHOWN = 20  # entries of a record events show (a reset writes at most 16)
+
+
+def shown_record(record: Mapping[str, object]) -> dict[str, str]:
+    """A record read back (hostile: as large as the state file) as events show it: its first
+    entries, each key and value as text cut as an event's values are."""
+    return {short(key): short(value) for key, value in itertools.islice(record.items(), MAX_SHOWN)}
 
 
 def of_another_boot(record: Mapping[str, object]) -> bool:
@@ -80,7 +89,7 @@ def _read_back(
     if step is ResetStep.DONE:
         return None
     if step is None or target is None:
-        return f"unreadable reset record {dict(record)!r}; nothing was changed"
+        return f"unreadable reset record {shown_record(record)!r}; nothing was changed"
     if "commands" in record:
         commands = commands_from_record(record["commands"], target)
         if isinstance(commands, str):

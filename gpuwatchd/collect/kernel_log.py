@@ -194,6 +194,10 @@ class KernelLog:
     read_process: Callable[[int], ProcessInfo | None] | None = None
     clock: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], float] = time.time
+    # Seconds the node was suspended since boot: /proc's start times count them, the log's not.
+    suspended: Callable[[], float] = lambda: (
+        time.clock_gettime(time.CLOCK_BOOTTIME) - time.clock_gettime(time.CLOCK_MONOTONIC)
+    )
     _child: subprocess.Popen[bytes] | None = field(default=None, init=False)
     _lines: _Lines | None = field(default=None, init=False)
     _file: int | None = field(default=None, init=False)
@@ -274,13 +278,13 @@ class KernelLog:
 
     def _with_job(self, run: KernelXid) -> KernelXid:
         """Name the job of the process the Xid names, when it is still that process: alive,
-        started before the Xid, going by the printed name (else the PID was reused)."""
+        started before the Xid (on the log's clock), going by the printed name (else reused)."""
         if run.pid is None or run.process is None or self.read_process is None:
             return run
         info = self.read_process(run.pid)
         if info is None or info.start_ticks is None or info.comm != run.process[:15]:
             return run
-        if info.start_ticks / self._tick > run.position / 1_000_000:
+        if info.start_ticks / self._tick - self.suspended() > run.position / 1_000_000:
             return run
         job = info.cgroup.job_key if info.cgroup is not None else None
         return run if job is None else replace(run, job=job)

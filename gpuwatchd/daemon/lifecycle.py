@@ -42,6 +42,7 @@ from gpuwatchd.daemon.notify import (
 )
 from gpuwatchd.daemon.serving import ScanServing
 from gpuwatchd.decide.assess.state import AssessState
+from gpuwatchd.decide.health.state import HealthState
 from gpuwatchd.decide.plan.decisions import pending_keys
 from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import Policy
@@ -697,9 +698,13 @@ class Daemon:
                     # Marked before the next save writes this boot's id: a crash before the
                     # resume must not make it a record of this boot (act/reset_resume.py).
                     record["rebooted"] = True
+                assess = AssessState.from_json(data.get("assess"))
+                if rebooted and assess.boot_id is None:
+                    # Another boot's Xids (a poll keeps a history of a boot it cannot tell).
+                    assess = dataclasses.replace(assess, health=HealthState())
                 self.engine.restore(
                     EngineState(
-                        assess=AssessState.from_json(data.get("assess")),
+                        assess=assess,
                         plan=PlanState.from_json(data.get("plan")),
                         reset_in_progress=record,
                     )

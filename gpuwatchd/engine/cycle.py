@@ -15,7 +15,7 @@ from dataclasses import KW_ONLY, dataclass, field, replace
 from gpuwatchd.act.commands import CommandResult, PreparedHook, fill_hooks, run_hooks
 from gpuwatchd.act.evidence import EvidenceAction, EvidenceKeeper, Kept, Step
 from gpuwatchd.act.reset import perform_reset
-from gpuwatchd.act.reset_resume import of_another_boot, resume_interrupted
+from gpuwatchd.act.reset_resume import of_another_boot, resume_interrupted, shown_record
 from gpuwatchd.act.reset_target import ResetOutcome, ResetTarget, outcome_event, progress_record
 from gpuwatchd.core.checked import as_list, as_text
 from gpuwatchd.core.model import (
@@ -253,12 +253,7 @@ class Engine:
         if not (self.policy.dry_run or state.plan.forced_dry_run):
             # Acting for real: a dry run's assumed resets never stand in for real ones.
             state.assess = replace(state.assess, health=drop_assumed(state.assess.health))
-        last = state.plan.last_wall
-        if last is not None and snapshot.wall_time < last:
-            # The wall clock stepped back: the health history's times move with it, as the
-            # plan's do when it sees the same step (an Xid after a reset is after it).
-            moved = rebase_wall(state.assess.health, last - snapshot.wall_time)
-            state.assess = replace(state.assess, health=moved)
+        self._follow_wall(snapshot.wall_time)
         assessment = self.reuse.assess(
             snapshot,
             state.assess,
@@ -271,6 +266,15 @@ class Engine:
         for notice in assessment.xid_notices:  # decide/health/xid_sources.py: floods said once
             self.emit(EventName.HEALTH_XID, notice.level, **notice.fields())
         return assessment
+
+    def _follow_wall(self, wall: float) -> None:
+        """The wall clock stepped back to ``wall`` since the plan's last wall time: the health
+        history's times move with it, as the plan's do when it books at ``wall`` (the plan's
+        rebase_wall: an Xid after a reset is after it, one before it stays before it)."""
+        last = self.state.plan.last_wall
+        if last is not None and wall < last:
+            moved = rebase_wall(self.state.assess.health, last - wall)
+            self.state.assess = replace(self.state.assess, health=moved)
 
     def _carry_out_until_stopped(self, intents: Sequence[Intent]) -> list[Intent]:
         """Carry out the intents in order; those carried out. A stop leaves the resets still
@@ -716,14 +720,14 @@ class Engine:
         gpu = self._last_gpu(intent.gpu) if would_succeed else None
         assumed = None if gpu is None else gpu.health
         real = outcome.result == ResetResult.SUCCESS and not intent.dry_run
+        wall = self.clock.wall()
+        self._follow_wall(wall)  # a step while the reset ran: record_reset books it too
         # A whole GPU's real reset deals with the Xids before it; a dry run's would-be reset is
         # assumed to have succeeded for the decisions that follow (decide/health/judge.py). A
         # MIG GPU instance re-created leaves the GPU's health as it was.
         if intent.instance is None and (real or assumed is not None):
             assessed = self.state.assess
-            health = note_reset(
-                assessed.health, intent.gpu, self.clock.wall(), assumed_from=assumed
-            )
+            health = note_reset(assessed.health, intent.gpu, wall, assumed_from=assumed)
             self.state.assess = replace(assessed, health=health)
         level, fields = outcome_event(
             outcome, gpu=intent.gpu, pci_bus_id=intent.pci_bus_id, dry_run=intent.dry_run
@@ -738,7 +742,7 @@ class Engine:
                 intent,
                 outcome.result,
                 now=self.clock.monotonic(),
-                wall=self.clock.wall(),
+                wall=wall,
                 needs_reboot=outcome.needs_reboot,
                 would_succeed=would_succeed,
             )
@@ -780,7 +784,7 @@ class Engine:
         """:meth:`resume_interrupted_reset` of ``record``, the progress record."""
         if pause is not None and pause.reason is not None:
             self.set_paused(pause.reason, until=pause.until)
-        self.emit(EventName.RESET_RESUME, Level.WARNING, record=record)
+        self.emit(EventName.RESET_RESUME, Level.WARNING, record=shown_record(record))
         outcome = resume_interrupted(
             record,
             self.policy.reset,

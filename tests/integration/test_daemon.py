@@ -31,6 +31,7 @@ from gpuwatchd.daemon.notify import Notifier, describe_status
 from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.floor import reset_blockers
+from gpuwatchd.decide.health.state import GpuHealthState, HealthState, XidRecord
 from gpuwatchd.decide.mig.recovery import InstanceRecovery
 from gpuwatchd.decide.plan.state import Ladder, PlanState, ResetInFlight
 from gpuwatchd.decide.verdict import UNREADABLE
@@ -583,3 +584,30 @@ def test_a_half_done_mig_recovery_of_another_boot_is_not_finished_after_the_rebo
         assert not [e for e in logs if e["event"] == EventName.RESET_OUTCOME]
         (cleared,) = [e for e in logs if e["event"] == EventName.RESET_IN_FLIGHT_CLEARED]
         assert cleared["why"] == "the node rebooted since it was decided on"
+
+
+@pytest.mark.parametrize("saved_boot", ["none", "this"])
+def test_a_state_saved_with_no_boot_id_is_another_boots_and_its_xids_are_forgotten(
+    tmp_path: Path, saved_boot: str
+) -> None:
+    """The start takes a state saved with no boot id for another boot's (``state.new_boot``):
+    its health history is that boot's (the reboot cleared what its Xids asked for) and is
+    forgotten, as a new boot id read by a poll forgets it, also across a save before the
+    first poll. This boot's is kept."""
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    policy = dataclasses.replace(default_policy(), state_dir=str(state_dir), dry_run=False)
+    daemon = Daemon(policy, config_path=str(tmp_path / "none.yaml"))
+    boot = daemon.procfs.boot_id() if saved_boot == "this" else None
+    history = HealthState(gpus={_UUID: GpuHealthState(xids={79: XidRecord(1, 100.0, 100.0)})})
+    state = {
+        "boot_id": boot,
+        "assess": AssessState(boot_id=boot, health=history).to_json(),
+        "plan": PlanState().to_json(),
+    }
+    (state_dir / "state.json").write_bytes(STATE.encode(STATE.envelope(state)))
+    for _ in range(2):  # the start's first save, then it dies before its first poll
+        daemon = Daemon(policy, config_path=str(tmp_path / "none.yaml"))
+        daemon._load_state()
+        assert daemon.engine.state.assess.health == (history if boot else HealthState())
+        assert daemon.save_state()

@@ -8,14 +8,23 @@ cycle that ``run``, ``run --once`` and ``simulate`` share.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import pytest
 
+from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.act.reset_target import ResetTarget
 from gpuwatchd.act.signals import SignalResult
-from gpuwatchd.core.model import MIB, FindingKind, ProcessIdentity, Snapshot, Spare, XidEvent
+from gpuwatchd.core.model import (
+    MIB,
+    FindingKind,
+    GpuInfo,
+    ProcessIdentity,
+    Snapshot,
+    Spare,
+    XidEvent,
+)
 from gpuwatchd.core.vocabulary import EventName, SignalOutcome
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.health.judge import note_reset
@@ -173,6 +182,63 @@ def test_an_xid_after_a_reset_asks_for_one_again_when_the_wall_clock_stepped_bac
     assert stepped["seconds"] == HOUR - 10.0
 
 
+@dataclass
+class StepClock(Clock):
+    """A clock whose wall time can be stepped back ``step`` seconds."""
+
+    step: float = 0.0
+
+    def wall(self) -> float:
+        return super().wall() - self.step
+
+
+@dataclass
+class XidThenHealthyReader(Reader):
+    """GPU 0 reports Xid 48 five seconds before the first poll, then nothing; healthy after."""
+
+    polls: int = 0
+
+    def collect(self) -> Snapshot:
+        self.polls += 1
+        wall = self.clock.wall()
+        xids = (XidEvent(48, wall - 5.0),) if self.polls == 1 else ()
+        reading = snap(gpu(0, HEALTH_GPU, health(xids=xids)), t=self.clock.now)
+        return replace(reading, wall_time=wall)
+
+    def read_gpu(self, uuid: str) -> GpuInfo | None:
+        return gpu(0, HEALTH_GPU, health())
+
+
+@dataclass
+class SteppingActuator(Actuator):
+    """The wall clock steps back an hour while the reset command runs."""
+
+    clock: StepClock = field(default_factory=StepClock)
+
+    def run_command(
+        self, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
+    ) -> CommandResult:
+        if "--gpu-reset" in argv:
+            self.clock.step = HOUR
+        return super().run_command(argv, timeout=timeout, env=env)
+
+
+def test_a_wall_clock_step_during_a_reset_moves_the_xids_it_dealt_with_back_too() -> None:
+    """Xid 48 asks for a reset; the wall clock steps back an hour while it runs, so its time
+    is an hour earlier than the Xid's. The health history moves back with that step as the
+    plan's times do: the Xid stays before the reset (dealt with), no second reset."""
+    clock, sink = StepClock(), Sink()
+    reader = XidThenHealthyReader(clock, ghost_host)
+    engine = Engine(make_policy("reset: {cooldown: 0s}"), reader=reader,
+                    actuator=SteppingActuator(clock=clock), clock=clock, sink=sink)  # fmt: skip
+    engine.poll()
+    assert [o["result"] for o in sink.named(EventName.RESET_OUTCOME)] == ["success"]
+    assert [e["seconds"] for e in sink.named(EventName.CLOCK_STEPPED_BACK)] == [HOUR]
+    clock.now = 20.0
+    assert engine.poll().assessment.findings == ()
+    assert [o["result"] for o in sink.named(EventName.RESET_OUTCOME)] == ["success"]
+
+
 def test_a_denied_signal_ends_the_ladder_and_is_never_retried() -> None:
     pol = make_policy()
     r = rig(pol, orphan_host, actuator=Actuator(outcome=SignalOutcome.DENIED))
@@ -300,6 +366,26 @@ def test_a_reset_undone_after_a_restart_in_its_drain_is_held_saying_so() -> None
     why = "the daemon restarted during the reset, before it took effect"
     assert [e["why"] for e in second.sink.named(EventName.RESET_REFUSED)] == [why]
     assert second.engine.state.plan.reset_refusals[GPU0].reason == why
+
+
+@pytest.mark.parametrize("step", ["reset", "no such step"])
+def test_a_huge_record_is_shown_cut_in_every_event_of_its_resume(step: str) -> None:
+    """A record is read from the state file (hostile, up to its size): ``reset.resume`` shows
+    its GPU, step and commands, each cut as events cut values, and no event of the resume
+    carries it whole (not the reason an unreadable one is failed with either)."""
+    pol = make_policy("reset: {confirm_for: 0s, cooldown: 1m}")
+    extra: dict[str, object] = {f"key{n}": "x" * 100 for n in range(10_000)}
+    state = _interrupted_during_the_reset(pol, commands={"reset": [["y" * 100_000]]}, **extra)
+    assert isinstance(state.reset_in_progress, dict)
+    state.reset_in_progress["step"] = step
+    second = rig(pol, ghost_host, state=state)
+    second.engine.resume_interrupted_reset()
+    (resume,) = second.sink.named(EventName.RESET_RESUME)
+    shown = resume["record"]
+    assert isinstance(shown, dict)
+    assert (shown["uuid"], shown["step"]) == (GPU0, step)
+    assert str(shown["commands"]).startswith("{'reset': [['yyy")
+    assert max(len(repr(fields)) for _, _, fields in second.sink.events) < 5000
 
 
 def test_a_stop_before_the_reset_starts_leaves_no_reset_in_flight() -> None:

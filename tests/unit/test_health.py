@@ -500,6 +500,19 @@ def test_a_dry_runs_drain_does_not_stand_in_for_a_real_one() -> None:
     ]
 
 
+def test_no_drain_hooks_book_no_drain_and_hooks_added_by_a_reload_still_run() -> None:
+    """With no ``reset.drain`` hooks nothing is drained: the GPU is not booked as drained, so
+    the incident's next finding does not say ``drained_already`` and hooks a reload added run."""
+    run = Run(replace(policy(), reset=ResetPolicy(cooldown=0.0, max_resets=3)))
+    assert hooks(run.poll(snap(gpu(0, GPU0, health(recovery_action=3))))) == []
+    assert run.plan_state.health_drained == {}
+    run.policy = policy()  # a reload: drain hooks now
+    settled = run.poll(snap(gpu(0, GPU0, health(recovery_action=1)), t=1100.0))
+    assert hooks(settled) == ["reset_drain"]
+    (started,) = [e for e in settled.events if e.name == EventName.HEALTH_DRAIN_STARTED]
+    assert started.fields["drained_already"] is False
+
+
 def test_still_unhealthy_after_the_reset_escalates_to_reboot() -> None:
     run = Run(policy())
     (intent,) = resets(run.poll(snap(gpu(0, GPU0, health(recovery_action=1)))))

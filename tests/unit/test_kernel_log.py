@@ -163,8 +163,21 @@ def test_a_reused_pid_or_another_name_names_no_job(tmp_path: Path) -> None:
     cgroup = CgroupInfo("/slurm/job_7", slurm_job="7")
     young = ProcessInfo(42, 5 * tick, "S", 1, 42, 42, comm="python3", cgroup=cgroup)
     renamed = ProcessInfo(43, 0, "S", 1, 43, 43, comm="bash", cgroup=cgroup)
-    reader = KernelLog(str(log), read_process={42: young, 43: renamed}.get)
+    reader = KernelLog(str(log), read_process={42: young, 43: renamed}.get, suspended=lambda: 0.0)
     assert [r.job for r in reader.read()] == [None, None]
+    reader.close()
+
+
+def test_a_process_started_after_a_suspend_before_the_xid_names_its_job(tmp_path: Path) -> None:
+    """/proc's start times count the time the node was suspended (CLOCK_BOOTTIME), the kernel
+    log's do not (CLOCK_MONOTONIC): the start is compared on the kernel log's clock."""
+    log = tmp_path / "kmsg"
+    _kmsg(log, 10_000_000, "NVRM: Xid (PCI:0000:17:00): 13, pid=42, name=python3, SM")
+    tick = os.sysconf("SC_CLK_TCK")
+    cgroup = CgroupInfo("/slurm/job_7", slurm_job="7")
+    job = ProcessInfo(42, 3605 * tick, "S", 1, 42, 42, comm="python3", cgroup=cgroup)
+    reader = KernelLog(str(log), read_process={42: job}.get, suspended=lambda: 3600.0)
+    assert [r.job for r in reader.read()] == ["slurm:7"]  # started 5s, the Xid at 10s
     reader.close()
 
 

@@ -39,18 +39,17 @@ def _drained_already(w: Work, uuid: str, dry: bool) -> bool:
 def _drain_hooks(w: Work, ctx: Ctx, finding: Finding, why: str, dry: bool) -> None:
     """The ``reset.drain`` hooks, at most once per health incident of the GPU."""
     uuid = finding.gpu or ""
-    if _drained_already(w, uuid, dry):
+    if not ctx.policy.reset.drain or _drained_already(w, uuid, dry):
         return
     w.health_drained[uuid] = dry
-    if ctx.policy.reset.drain:
-        # The GPU's bus id and minor too: a drain hook may name the GPU by any placeholder.
-        gpu = gpu_by_uuid(ctx.snapshot, finding.gpu)
-        facts = {
-            **finding_fields(finding),
-            "pci_bus_id": None if gpu is None else gpu.pci_bus_id,
-            "minor": None if gpu is None else gpu.minor,
-        }
-        w.intents.append(HookIntent(HookName.RESET_DRAIN, why, facts, dry_run=dry))
+    # The GPU's bus id and minor too: a drain hook may name the GPU by any placeholder.
+    gpu = gpu_by_uuid(ctx.snapshot, finding.gpu)
+    facts = {
+        **finding_fields(finding),
+        "pci_bus_id": None if gpu is None else gpu.pci_bus_id,
+        "minor": None if gpu is None else gpu.minor,
+    }
+    w.intents.append(HookIntent(HookName.RESET_DRAIN, why, facts, dry_run=dry))
 
 
 def consider_health(w: Work, ctx: Ctx, finding: Finding) -> None:

@@ -23,7 +23,7 @@ from gpuwatchd.cli.main import main
 from gpuwatchd.config.schema import load_policy
 from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.decide.assess.state import AssessState
-from gpuwatchd.decide.plan.state import PlanState
+from gpuwatchd.decide.plan.state import PlanState, SeenFinding
 from gpuwatchd.state.accepted import save_accepted
 from gpuwatchd.state.directory import StateDir
 from gpuwatchd.state.pause import set_pause
@@ -412,6 +412,27 @@ def test_check_clean_cannot_call_a_gpu_clean_when_the_daemons_state_cannot_be_re
         after = host.gpuwatchd(*argv, "--config", str(host.config()))
         assert after.returncode == code, after.stderr
         assert ("cannot tell" in after.stderr) is (code != 0)
+
+
+@pytest.mark.parametrize("version", [None, 99], ids=["readable", "plan-unreadable"])
+def test_a_scan_shows_when_the_daemon_first_saw_a_finding_only_from_a_plan_it_can_read(
+    host: SimHost, version: int | None
+) -> None:
+    """``first_seen`` comes from the plan as the verdict reads it: a plan that cannot be read
+    (here written in another format) gives none, as it gives no ladder nor latch."""
+    host.nvml([gpu(0, processes=[{"pid": 999_999, "used_memory": 4 * GiB}], allocated=5 * GiB)])
+    config = ["scan", "--json", "--config", str(host.config())]
+    (finding,) = json.loads(host.gpuwatchd(*config).stdout)["findings"]
+    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    seen = {finding["key"]: SeenFinding(time.monotonic(), "d", finding["gpu"], None)}
+    plan = PlanState(boot_id=boot_id, seen=seen).to_json()
+    if version is not None:
+        plan["version"] = version
+    StateStore(str(host.state_dir)).save(
+        STATE.envelope({"boot_id": boot_id, **_GOOD_SECTIONS, "plan": plan})
+    )
+    (finding,) = json.loads(host.gpuwatchd(*config).stdout)["findings"]
+    assert isinstance(finding["first_seen"], float) is (version is None), finding
 
 
 def test_a_scan_reads_the_daemons_saved_plan_once(

@@ -155,6 +155,25 @@ def test_run_with_a_missing_config_file_exits_78(tmp_path: Path) -> None:
     assert "none.yaml" in result.stderr
 
 
+def test_run_over_a_drop_in_whose_name_is_not_utf8_runs_the_last_accepted_policy(
+    host: SimHost,
+) -> None:
+    """Refused, that drop-in takes the path of any other rejected at start (not exit 78):
+    ``config.start_rejected`` names it, and the last accepted policy, in this state_dir, runs."""
+    config = host.config()
+    with StateDir.open(str(host.state_dir)) as state_dir:
+        save_accepted(state_dir, load_policy(str(config), check_permissions=False))
+    (host.root / "conf.d").mkdir()
+    with open(os.path.join(os.fsencode(host.root / "conf.d"), b"10-r\xe4te.yaml"), "wb") as file:
+        file.write(b"dry_run: false\n")
+    host.nvml([gpu(0), gpu(1)])
+    result = host.gpuwatchd("run", "--once", "--timeout", "10s", "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    (line,) = [x for x in result.stderr.splitlines() if EventName.CONFIG_START_REJECTED in x]
+    assert "10-r\\\\xe4te.yaml: the file name is not UTF-8" in line
+    assert f"the last accepted policy ({host.state_dir}/policy.accepted.yaml" in line
+
+
 def _without_capabilities(
     host: SimHost, *args: str, alone: bool = False
 ) -> subprocess.CompletedProcess[str]:

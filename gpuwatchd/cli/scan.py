@@ -21,7 +21,7 @@ from gpuwatchd.collect.collector import Collector, WalkDue
 from gpuwatchd.collect.jobs import cgroup2_mount
 from gpuwatchd.collect.nvml import NvmlClient, NvmlSource
 from gpuwatchd.collect.procfs import ProcFS
-from gpuwatchd.core.checked import Value, decimal
+from gpuwatchd.core.checked import decimal
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.model import Snapshot, Spare
 from gpuwatchd.core.vocabulary import ExitCode
@@ -332,10 +332,10 @@ def _judged_report(
                 raise ValueError(plan)
             unfinished = unfinished_recoveries(plan)
             unread = unread or lost_state(plan)  # latched on a state it moved aside
+            first_seen = _first_seen_wall(plan, snapshot.monotonic, snapshot.wall_time)
         except ValueError as exc:
             path = os.path.join(policy.state_dir, STATE_FILE)
             unread = f"{path}: the daemon's plan cannot be read ({exc})"
-        first_seen = _first_seen_wall(saved, snapshot.monotonic, snapshot.wall_time)
     assessment = assess(snapshot, previous, policy.detection, health_policy=policy.health)
     verdict = judge(snapshot, assessment, policy, unfinished=unfinished)
     spares = spares_in_force(state_dir, policy, snapshot.wall_time)
@@ -453,11 +453,8 @@ def snapshot_report(
     return report
 
 
-def _first_seen_wall(saved: SavedState, now_monotonic: float, now_wall: float) -> dict[str, float]:
+def _first_seen_wall(plan: PlanState, now_monotonic: float, now_wall: float) -> dict[str, float]:
     """First-seen times from the daemon's plan state, converted from monotonic to wall time."""
-    result: dict[str, float] = {}
-    for key, entry in saved.value["plan"]["seen"].mapping().items():
-        mono = Value(entry).number("first_seen")
-        if isinstance(key, str) and mono is not None:
-            result[key] = now_wall - max(0.0, now_monotonic - mono)
-    return result
+    return {
+        key: now_wall - max(0.0, now_monotonic - seen.first_seen) for key, seen in plan.seen.items()
+    }

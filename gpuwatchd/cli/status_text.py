@@ -131,7 +131,7 @@ def _latch_lines(result: Mapping[str, object]) -> list[str]:
     lines = [f"kill cap: {_text(state)}{count}"]
     users = cap.get("users_latched")
     if isinstance(users, list) and users:
-        lines.append(f"          latched for {', '.join(escape(str(u)) for u in users)}")
+        lines.append(f"          latched for {', '.join(map(str, users))}")
     breaker = as_map(result.get("circuit_breaker"))
     is_open = breaker.get("open")
     state = "OPEN: resets stopped" if is_open else ("closed" if is_open is False else None)

@@ -9,7 +9,8 @@ import dataclasses
 import os
 import time
 
-from gpuwatchd.config.files import read_policy_files
+from gpuwatchd.config.files import MAX_DROP_INS, check_config_permissions, read_config_file
+from gpuwatchd.config.peek import conf_d, drop_in_names
 from gpuwatchd.config.schema import default_policy, parse_policy_documents, render_policy
 from gpuwatchd.config.yamlsrc import MAX_DOCUMENT_BYTES, ConfigError
 from gpuwatchd.decide.policy import Policy
@@ -52,12 +53,26 @@ def save_accepted(state_dir: StateDir, policy: Policy) -> None:
 
 def _state_dir_hint(config_path: str) -> str:
     """Where the saved policy may be (docs/internals.md): the ``state_dir`` of the longest
-    leading run of the configured files that loads, else the built-in default."""
+    leading run of the configured files that loads, else the built-in default. A drop-in that
+    cannot be read (its name, its kind, its bytes: config/files.py) ends the run."""
+    folder = conf_d(config_path)
     try:
-        docs = read_policy_files(config_path)
+        names = drop_in_names(folder)[:MAX_DROP_INS]
+    except OSError:
+        names = []
+    docs: list[tuple[str, str]] = []
+    for path in [config_path, *(os.path.join(folder, name) for name in names)]:
+        try:
+            path.encode("utf-8")  # a name that is not UTF-8 is refused
+            docs.append((path, read_config_file(path)))
+        except (UnicodeEncodeError, ConfigError):
+            break
+    try:
+        if os.geteuid() == 0:
+            check_config_permissions(config_path, [path for path, _text in docs[1:]])
     except ConfigError:
         docs = []
-    for count in range(len(docs) - 1, 0, -1):
+    for count in range(len(docs), 0, -1):
         try:
             return parse_policy_documents(docs[:count]).state_dir
         except ConfigError:

@@ -112,6 +112,29 @@ def test_the_state_dir_comes_from_the_files_that_load_else_the_default(tmp_path:
     assert fallback.policy.interval == 3.0
 
 
+@pytest.mark.parametrize("how", ["name-not-utf8", "fifo", "bytes-not-utf8"])
+def test_a_drop_in_refused_unread_still_leads_to_the_saved_policy(tmp_path: Path, how: str) -> None:
+    """A drop-in refused before it is parsed (its name, its kind, its bytes) ends the run of
+    files that load, as a bad value does: the main file's state_dir, not the default, is where
+    the saved policy is looked for, and the daemon runs it rather than exit 78."""
+    state = _state(tmp_path)
+    main = _config(tmp_path, state)
+    _save(load_policy(str(main), check_permissions=False))
+    conf_d = main.parent / "conf.d"
+    if how == "name-not-utf8":
+        with open(os.path.join(os.fsencode(conf_d), b"10-r\xe4te.yaml"), "wb") as handle:
+            handle.write(b"dry_run: true\n")
+    elif how == "fifo":
+        os.mkfifo(conf_d / "10-site.yaml")
+    else:
+        (conf_d / "10-site.yaml").write_bytes(b"# r\xe4te\ndry_run: true\n")
+    fallback = load_fallback(str(main))
+    assert fallback.source == str(state / ACCEPTED_FILE)
+    assert fallback.problems == ()
+    assert fallback.policy is not None
+    assert fallback.policy.interval == 7.0
+
+
 def test_looking_for_a_saved_policy_creates_no_state_dir(tmp_path: Path) -> None:
     missing = tmp_path / "no-state"
     main = _config(tmp_path, missing, ("90-broken.yaml", "interval: sometimes\n"))

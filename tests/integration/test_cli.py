@@ -23,7 +23,7 @@ from gpuwatchd.cli.main import main
 from gpuwatchd.config.schema import load_policy
 from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.decide.assess.state import AssessState
-from gpuwatchd.decide.plan.state import PlanState
+from gpuwatchd.decide.plan.state import PlanState, SeenFinding
 from gpuwatchd.state.accepted import save_accepted
 from gpuwatchd.state.directory import StateDir
 from gpuwatchd.state.pause import set_pause
@@ -153,6 +153,25 @@ def test_run_with_a_missing_config_file_exits_78(tmp_path: Path) -> None:
     )
     assert result.returncode == 78
     assert "none.yaml" in result.stderr
+
+
+def test_run_over_a_drop_in_whose_name_is_not_utf8_runs_the_last_accepted_policy(
+    host: SimHost,
+) -> None:
+    """Refused, that drop-in takes the path of any other rejected at start (not exit 78):
+    ``config.start_rejected`` names it, and the last accepted policy, in this state_dir, runs."""
+    config = host.config()
+    with StateDir.open(str(host.state_dir)) as state_dir:
+        save_accepted(state_dir, load_policy(str(config), check_permissions=False))
+    (host.root / "conf.d").mkdir()
+    with open(os.path.join(os.fsencode(host.root / "conf.d"), b"10-r\xe4te.yaml"), "wb") as file:
+        file.write(b"dry_run: false\n")
+    host.nvml([gpu(0), gpu(1)])
+    result = host.gpuwatchd("run", "--once", "--timeout", "10s", "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    (line,) = [x for x in result.stderr.splitlines() if EventName.CONFIG_START_REJECTED in x]
+    assert "10-r\\\\xe4te.yaml: the file name is not UTF-8" in line
+    assert f"the last accepted policy ({host.state_dir}/policy.accepted.yaml" in line
 
 
 def _without_capabilities(
@@ -412,6 +431,27 @@ def test_check_clean_cannot_call_a_gpu_clean_when_the_daemons_state_cannot_be_re
         after = host.gpuwatchd(*argv, "--config", str(host.config()))
         assert after.returncode == code, after.stderr
         assert ("cannot tell" in after.stderr) is (code != 0)
+
+
+@pytest.mark.parametrize("version", [None, 99], ids=["readable", "plan-unreadable"])
+def test_a_scan_shows_when_the_daemon_first_saw_a_finding_only_from_a_plan_it_can_read(
+    host: SimHost, version: int | None
+) -> None:
+    """``first_seen`` comes from the plan as the verdict reads it: a plan that cannot be read
+    (here written in another format) gives none, as it gives no ladder nor latch."""
+    host.nvml([gpu(0, processes=[{"pid": 999_999, "used_memory": 4 * GiB}], allocated=5 * GiB)])
+    config = ["scan", "--json", "--config", str(host.config())]
+    (finding,) = json.loads(host.gpuwatchd(*config).stdout)["findings"]
+    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    seen = {finding["key"]: SeenFinding(time.monotonic(), "d", finding["gpu"], None)}
+    plan = PlanState(boot_id=boot_id, seen=seen).to_json()
+    if version is not None:
+        plan["version"] = version
+    StateStore(str(host.state_dir)).save(
+        STATE.envelope({"boot_id": boot_id, **_GOOD_SECTIONS, "plan": plan})
+    )
+    (finding,) = json.loads(host.gpuwatchd(*config).stdout)["findings"]
+    assert isinstance(finding["first_seen"], float) is (version is None), finding
 
 
 def test_a_scan_reads_the_daemons_saved_plan_once(

@@ -475,10 +475,12 @@ def test_unknown_values_print_as_unknown() -> None:
 
 
 def test_text_from_the_state_is_escaped() -> None:
-    plan = plan_json(paused=True, paused_reason="maint\n\x1b[2Jfake line")
+    latch = {"user:ev\x1bil": {"reason": "more than 16", "since": NOW - 60}}  # /etc/subuid's
+    plan = plan_json(paused=True, paused_reason="maint\n\x1b[2Jfake line", scope_latches=latch)
     text = render_text(run_describe(saved(plan=plan)))
     assert "\x1b" not in text
     assert "maint\\n\\x1b[2Jfake line" in text
+    assert "latched for user:ev\\x1bil\n" in text
 
 
 def _mutations() -> st.SearchStrategy[object]:

@@ -161,6 +161,10 @@ def _xids(n: int) -> dict[str, list[float]]:
         ({GPU0: {"xids": {"123456": [1, 1.0, 2.0]}}}, "xids.123456: expected Xid numbers"),
         ({GPU0: {"xids": {"x": [1, 1.0, 2.0]}}}, "xids.x: expected Xid numbers"),
         ({GPU0: {"details": {"\u00b2": {"wall": 1.0}}}}, "details.\u00b2: expected Xid numbers"),
+        # A bad key is said before its bad value, in each of the three maps.
+        ({GPU0: {"xids": {"x": []}}}, "xids.x: expected Xid numbers"),
+        ({GPU0: {"details": {"x": []}}}, "details.x: expected Xid numbers"),
+        ({GPU0: {"xid_log": {"x": []}}}, "xid_log.x: expected Xid numbers"),
         ({GPU0: {"since": []}}, "since: expected an object"),
         # JSON reads 400 digits as an int that no float holds: refused, not an OverflowError.
         ({GPU0: {"last_reset": 10**400}}, f"health.{GPU0}: expected a finite number"),

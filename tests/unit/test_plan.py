@@ -787,6 +787,23 @@ def test_stuck_target_gets_on_failure_once_and_never_a_sigkill_loop() -> None:
     assert sorted(ran, key=str) == [("on_action", "stuck"), ("on_failure", None)]
 
 
+def test_a_stuck_target_pages_in_the_mode_of_its_users_kill_cap_latch() -> None:
+    """Past a user's kill cap that user's targets are handled in dry-run (docs/escalation.md):
+    so is the on_failure hook of one found stuck (here as one of the user's sub-uids); another
+    user's stuck target pages for real."""
+    pol = policy(limits=Limits(max_signalled_per_poll=1, max_signalled_per_hour=100))
+    ranges = (SubIdRange(100_000, 65_536, "bob", 1000),)
+    a, b, c = proc(1000), proc(1001, uid=100_007), proc(2000, uid=1002, user="olivia")
+    r = run([orphan(p) for p in (a, b, c)], replace(snap([a, b, c]), subuid_ranges=ranges),
+            PlanState(), pol, now=0.0)  # fmt: skip
+    assert set(r.state.scope_latches) == {"uid:1000"}
+    stuck = [replace(p, state="D") for p in (b, c)]
+    found = [orphan(a), *(orphan(p, kind=FindingKind.STUCK) for p in stuck)]
+    r = run(found, replace(snap([a, *stuck]), subuid_ranges=ranges), r.state, pol, now=1.0)
+    paged = {h.facts["pid"]: h.dry_run for h in hooks(r) if h.hook == "on_failure"}
+    assert paged == {1001: True, 2000: False}
+
+
 def test_a_target_stuck_while_paused_is_reported_but_runs_no_on_failure_hook() -> None:
     """A pause holds every hook (docs/escalation.md): the target is still said stuck."""
     p, f, pol, r = first_poll()

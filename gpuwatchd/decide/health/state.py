@@ -193,13 +193,14 @@ def _kernel_log_state(entry: Mapping[str, object], what: str) -> GpuHealthState:
     details: dict[int, XidDetail] = {}
     for key, raw in _bounded_map(entry.get("details", {}), f"{what}.details").items():
         where = f"{what}.details.{key}"
+        xid = _xid_key(key, where)
         if not isinstance(raw, dict):
             raise ValueError(f"{where}: expected an object")
         pid = raw.get("pid")
         if pid is not None and as_int(pid) is None:
             raise ValueError(f"{where}.pid: expected an integer or null")
         text = _opt_str(raw.get("text", ""), where)
-        details[_xid_key(key, where)] = XidDetail(
+        details[xid] = XidDetail(
             pid=as_int(pid),
             process=_opt_str(raw.get("process"), where, 64),
             job=_opt_str(raw.get("job"), where, MAX_JOB),
@@ -210,10 +211,11 @@ def _kernel_log_state(entry: Mapping[str, object], what: str) -> GpuHealthState:
     logs: dict[int, XidLog] = {}
     for key, raw in _bounded_map(entry.get("xid_log", {}), f"{what}.xid_log").items():
         where = f"{what}.xid_log.{key}"
+        xid = _xid_key(key, where)
         held = as_int(raw[1]) if isinstance(raw, list) and len(raw) == 4 else None
         if not isinstance(raw, list) or held is None or not 0 <= held <= MAX_COUNT:
             raise ValueError(f"{where}: expected [logged_at, held, first, last]")
-        logs[_xid_key(key, where)] = XidLog(
+        logs[xid] = XidLog(
             number(raw[0], where), held, number(raw[2], where), number(raw[3], where)
         )
     return GpuHealthState(klog_pos=pos, sightings=tuple(sightings), details=details, xid_log=logs)

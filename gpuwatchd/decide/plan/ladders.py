@@ -14,13 +14,13 @@ from gpuwatchd.decide.plan.intents import (
     SignalIntent,
     Work,
     action_ended,
-    ask_on_failure,
     end_ladder,
     finding_fields,
     hold_reason,
     is_dry_run,
     kill_cap_scope,
     ladder_fields,
+    page,
     pause_hold,
     previewing,
     target_key,
@@ -196,7 +196,8 @@ def _mark_stuck(w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo | None, why: s
     w.ladders[lad.target] = end_ladder(lad, LadderStatus.STUCK)
     facts = {**ladder_fields(lad), **process_facts(proc)}
     w.event(EventName.TARGET_STUCK, Level.CRITICAL, why=why + "; needs drain/reboot", **facts)
-    ask_on_failure(w, ctx, f"{lad.target} stuck: {why}", facts, ladder_fields(lad))
+    dry = is_dry_run(w, ctx, kill_cap_scope(proc, ctx.snapshot.subuid_ranges))  # its user's
+    page(w, f"{lad.target} stuck: {why}", facts, ladder_fields(lad), dry_run=dry)
     w.intents.extend(action_ended(lad, ActionOutcome.STUCK, why))  # every caller's is active
 
 

@@ -405,6 +405,15 @@ def _whole(raw: Mapping[str, object], key: str, high: int = 2**32 - 1) -> int | 
     return opt_integer(raw.get(key), key, 0, high + 1)
 
 
+def _switch(raw: Mapping[str, object], key: str) -> bool | None:
+    """None, or true or false (the worker sends NVML's modes as 0 or 1); ValueError otherwise,
+    where ``bool()`` would read the string "false" as true."""
+    value = raw.get(key)
+    if value is not None and not (isinstance(value, int) and value in (0, 1)):
+        raise ValueError(f"{key}: expected true or false")
+    return _opt(bool, value)
+
+
 def _needed(raw: Mapping[str, object], key: str) -> int:
     found = _whole(raw, key)
     if found is None:
@@ -447,13 +456,13 @@ def decode_gpu(raw: object) -> GpuInfo:
         minor=_whole(raw, "minor"),
         memory=_to_memory(raw.get("memory")),
         processes=_to_processes(raw.get("processes")),
-        mig_enabled=_opt(bool, raw.get("mig_mode")),
-        persistence_mode=_opt(bool, raw.get("persistence_mode")),
+        mig_enabled=_switch(raw, "mig_mode"),
+        persistence_mode=_switch(raw, "persistence_mode"),
         numa_node=_whole(raw, "numa_node"),
-        numa_node_unknown=raw.get("numa_node_unknown") is True,
+        numa_node_unknown=_switch(raw, "numa_node_unknown") is True,
         architecture=_whole(raw, "architecture"),
         nvlink_active=_whole(raw, "nvlink_active"),
-        lost=bool(raw.get("lost")),
+        lost=_switch(raw, "lost") is True,
         error=opt_text(raw.get("error"), "error"),
         health=to_health(raw.get("health")),
         mig_devices=to_mig_devices(raw.get("mig_devices")),

@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from importlib.machinery import PathFinder
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from gpuwatchd.collect.mig import MAX_INSTANCE_ID, MAX_MIG_DEVICES
 from gpuwatchd.core.checked import as_flag, as_map, as_number, items, obj, opt_integer, opt_text
@@ -56,7 +56,6 @@ LAUNCHER_FILE = NVML_LAUNCHER_FILE
 MAX_REPLY = 64 << 20
 
 Spawn = Callable[..., "subprocess.Popen[bytes]"]
-T = TypeVar("T")
 
 
 def worker_environment(inherited: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
@@ -392,12 +391,8 @@ class NvmlClient:
                     consequence="allocated memory unknown (v1 'used' includes the driver "
                     "reservation); no ghost detection until an idle baseline is learned",
                 )
-        driver = _opt(str, reply.get("driver_version"))
+        driver = None if (found := reply.get("driver_version")) is None else str(found)
         return NvmlReading(available=True, driver_version=driver, gpus=gpus)
-
-
-def _opt(convert: Callable[[Any], T], value: Any) -> T | None:
-    return None if value is None else convert(value)
 
 
 def _whole(raw: Mapping[str, object], key: str, high: int = 2**32 - 1) -> int | None:
@@ -411,7 +406,7 @@ def _switch(raw: Mapping[str, object], key: str) -> bool | None:
     value = raw.get(key)
     if value is not None and not (isinstance(value, int) and value in (0, 1)):
         raise ValueError(f"{key}: expected true or false")
-    return _opt(bool, value)
+    return None if value is None else bool(value)
 
 
 def _needed(raw: Mapping[str, object], key: str) -> int:

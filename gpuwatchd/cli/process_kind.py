@@ -16,7 +16,9 @@ if TYPE_CHECKING:
 
 
 def look_at_process(proc_root: str, pid: int) -> str:
-    """What PID ``pid`` is: "gpuwatchd", "other", "gone", or "unknown" (unreadable)."""
+    """What PID ``pid`` is: "gpuwatchd", "other", "gone", or "unknown" (unreadable).
+    gpuwatchd by its name or command line, which any user may set (prctl, ``exec -a``), run
+    by root or this user (its real uid, which no user can set), as ``state_dir`` is owned."""
     if pid == os.getpid():
         return "other"  # this very process: the daemon's PID was reused by `status` itself
     base = os.path.join(proc_root, str(pid))
@@ -32,24 +34,28 @@ def look_at_process(proc_root: str, pid: int) -> str:
         return "gone"  # exited; its parent has not reaped it yet
     comm: str | None = None
     argv: list[str] = []
+    uid: list[bytes] = []
     try:
         with open(os.path.join(base, "comm"), "rb") as handle:
             comm = handle.read(64).decode("utf-8", "replace").strip()
         with open(os.path.join(base, "cmdline"), "rb") as handle:
             raw = handle.read(4096)
         argv = [a.decode("utf-8", "replace") for a in raw.split(b"\0") if a]
+        with open(os.path.join(base, "status"), "rb") as handle:
+            uid = next((line.split()[1:2] for line in handle if line.startswith(b"Uid:")), [])
     except FileNotFoundError:
         return "gone"
     except OSError:
         if comm is None:
             return "unknown" if os.path.isdir(base) else "gone"
-    if comm is not None and comm.startswith("gpuwatchd"):
-        return "gpuwatchd"
-    for arg in argv[:4]:  # /usr/bin/gpuwatchd run; python3 /usr/bin/gpuwatchd; python3 -m gpuwatchd
-        name = os.path.basename(arg)
-        if name == "gpuwatchd" or name.startswith("gpuwatchd."):
-            return "gpuwatchd"
-    return "other"
+    # /usr/bin/gpuwatchd run; python3 /usr/bin/gpuwatchd; python3 -m gpuwatchd
+    names = [os.path.basename(arg) for arg in argv[:4]]
+    named = any(name == "gpuwatchd" or name.startswith("gpuwatchd.") for name in names)
+    if not (named or (comm or "").startswith("gpuwatchd")):
+        return "other"
+    if not (uid and uid[0].isdigit()):
+        return "unknown"
+    return "gpuwatchd" if int(uid[0]) in (0, os.geteuid()) else "other"
 
 
 def lock_holder(

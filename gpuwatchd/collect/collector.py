@@ -344,7 +344,10 @@ def _scan_holders(
     targets |= c._unknown_holders
     holders = c._targeted_scan(poll, sorted(targets - self_pids), live_listed)
     found = frozenset(holders.holdings) - self_pids
-    if (reason := holder_gone(c._known_holders - self_pids, found)) is not None:
+    # One the last poll could not read may have held the files too: gone (or read now and
+    # holding nothing), it is a holder gone; its children, not followed, may keep them.
+    gone_from = c._known_holders | (c._unknown_holders - holders.unreadable)
+    if (reason := holder_gone(gone_from - self_pids, found)) is not None:
         _may_walk(c, reason)
         c.last_scan_reason = reason
         c._scan_state = dataclasses.replace(c._scan_state, last_full=poll.now)

@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from importlib.machinery import PathFinder
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from gpuwatchd.collect.mig import MAX_INSTANCE_ID, MAX_MIG_DEVICES
 from gpuwatchd.core.checked import as_flag, as_map, as_number, items, obj, opt_integer, opt_text
@@ -56,7 +56,6 @@ LAUNCHER_FILE = NVML_LAUNCHER_FILE
 MAX_REPLY = 64 << 20
 
 Spawn = Callable[..., "subprocess.Popen[bytes]"]
-T = TypeVar("T")
 
 
 def worker_environment(inherited: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
@@ -392,17 +391,22 @@ class NvmlClient:
                     consequence="allocated memory unknown (v1 'used' includes the driver "
                     "reservation); no ghost detection until an idle baseline is learned",
                 )
-        driver = _opt(str, reply.get("driver_version"))
+        driver = None if (found := reply.get("driver_version")) is None else str(found)
         return NvmlReading(available=True, driver_version=driver, gpus=gpus)
-
-
-def _opt(convert: Callable[[Any], T], value: Any) -> T | None:
-    return None if value is None else convert(value)
 
 
 def _whole(raw: Mapping[str, object], key: str, high: int = 2**32 - 1) -> int | None:
     """None, or an integer from 0 to ``high`` (NVML's unsigned int); ValueError otherwise."""
     return opt_integer(raw.get(key), key, 0, high + 1)
+
+
+def _switch(raw: Mapping[str, object], key: str) -> bool | None:
+    """None, or true or false (the worker sends NVML's modes as 0 or 1); ValueError otherwise,
+    where ``bool()`` would read the string "false" as true."""
+    value = raw.get(key)
+    if value is not None and not (isinstance(value, int) and value in (0, 1)):
+        raise ValueError(f"{key}: expected true or false")
+    return None if value is None else bool(value)
 
 
 def _needed(raw: Mapping[str, object], key: str) -> int:
@@ -447,13 +451,13 @@ def decode_gpu(raw: object) -> GpuInfo:
         minor=_whole(raw, "minor"),
         memory=_to_memory(raw.get("memory")),
         processes=_to_processes(raw.get("processes")),
-        mig_enabled=_opt(bool, raw.get("mig_mode")),
-        persistence_mode=_opt(bool, raw.get("persistence_mode")),
+        mig_enabled=_switch(raw, "mig_mode"),
+        persistence_mode=_switch(raw, "persistence_mode"),
         numa_node=_whole(raw, "numa_node"),
-        numa_node_unknown=raw.get("numa_node_unknown") is True,
+        numa_node_unknown=_switch(raw, "numa_node_unknown") is True,
         architecture=_whole(raw, "architecture"),
         nvlink_active=_whole(raw, "nvlink_active"),
-        lost=bool(raw.get("lost")),
+        lost=_switch(raw, "lost") is True,
         error=opt_text(raw.get("error"), "error"),
         health=to_health(raw.get("health")),
         mig_devices=to_mig_devices(raw.get("mig_devices")),

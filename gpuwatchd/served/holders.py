@@ -37,6 +37,7 @@ class HolderView:
     # GPU minors its holders own for the full-scan rule (Collector.held_minors).
     unknown: frozenset[int] = frozenset()
     held_minors: frozenset[int] = frozenset()
+    cut: bool = False  # more holders or dead PIDs than MAX_HOLDERS: the lists are incomplete
 
     @classmethod
     def of(
@@ -56,14 +57,16 @@ class HolderView:
         held_minors: frozenset[int] = frozenset(),
     ) -> HolderView:
         """The view of a poll: its ``holders`` less the daemon's own processes, with their
-        ``start_ticks``, and the processes it could not read."""
+        ``start_ticks``, and the processes it could not read; ``cut`` when a list is longer
+        than ``MAX_HOLDERS`` (it keeps the first)."""
         own = {daemon_pid, *worker_pids}
-        listed = sorted(pid for pid in holders.holdings if pid not in own)[:MAX_HOLDERS]
+        found = sorted(pid for pid in holders.holdings if pid not in own)
+        listed = found[:MAX_HOLDERS]
         return cls(
             boot_id, daemon_pid, daemon_start_ticks, worker_pids, polled, fresh_for, settings,
             frozenset(listed), {pid: start_ticks.get(pid) for pid in listed},
             frozenset(sorted(dead_listed)[:MAX_HOLDERS]), watch_fd, holders.unreadable - own,
-            held_minors,
+            held_minors, max(len(found), len(dead_listed)) > MAX_HOLDERS,
         )  # fmt: skip
 
     def document(self, *, clean: bool = True) -> dict[str, object]:
@@ -71,6 +74,7 @@ class HolderView:
         return {
             "watch_fd": self.watch_fd,
             "clean": clean,
+            "cut": self.cut,
             "version": VERSION,
             "boot_id": self.boot_id,
             "daemon": {"pid": self.daemon_pid, "start_ticks": self.daemon_start_ticks},
@@ -91,6 +95,8 @@ def usable(
     settings: tuple[str, str, int],
 ) -> str | None:
     """Why ``view`` cannot be used now (None: it can). Pure."""
+    if view.cut:  # a holder it does not list would be taken for no holder
+        return f"cut at {MAX_HOLDERS} holders or dead PIDs"
     if boot_id is None or view.boot_id != boot_id:
         return "written in another boot"
     if view.settings != settings:

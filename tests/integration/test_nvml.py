@@ -651,6 +651,10 @@ for request in sys.stdin:
         '[{"index": 0, "processes": [{"pid": 7, "used_memory": -1}]}]',
         '[{"index": 0, "processes": {"pid": 7}}]',
         '[{"index": 0, "error": ["lost"]}]',
+        '[{"index": 0, "lost": "false"}]',  # bool() would read it lost
+        '[{"index": 0, "mig_mode": "false"}]',  # ... and MIG on
+        '[{"index": 0, "persistence_mode": 2}]',
+        '[{"index": 0, "numa_node_unknown": "true"}]',
         '[{"uuid": "GPU-0"}]',
         '{"0": {"index": 0}}',
         '["GPU-0"]',

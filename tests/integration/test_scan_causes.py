@@ -492,7 +492,26 @@ def test_a_process_a_walk_could_not_read_stays_unknown_at_every_targeted_poll(
     assert polls == [(FullScanReason.FIRST, [600]), (None, [600]), (None, [600])]
     fake.remove(600)
     snapshot = collector.collect()
-    assert (collector.last_scan_reason, snapshot.holders.unreadable) == (None, frozenset())
+    assert (collector.last_scan_reason, snapshot.holders.unreadable) == (
+        FullScanReason.HOLDER_GONE,
+        frozenset(),
+    )
+
+
+def test_a_process_a_walk_could_not_read_that_exits_is_a_holder_gone(
+    unknown_holder: tuple[FakeProc, ProcFS], tmp_path: Path
+) -> None:
+    """It may have held the files: a child it forked since the walk (not followed: an unknown
+    PID's descendants are not scanned) keeps them once it exits, and only a walk finds it."""
+    fake, procfs = unknown_holder
+    collector = Collector(procfs, _OneGpu(), namespace_check=False)
+    collector.collect()
+    fake.add(700, ppid=600, fds={3: str(tmp_path / "dev" / "nvidiactl")})
+    assert 700 not in collector.collect().holders.holdings
+    fake.remove(600)
+    snapshot = collector.collect()
+    assert collector.last_scan_reason == FullScanReason.HOLDER_GONE
+    assert set(snapshot.holders.holdings) == {500, 700}
 
 
 def test_a_scan_on_the_daemons_view_keeps_what_its_poll_could_not_read(

@@ -36,6 +36,7 @@ from gpuwatchd.decide.plan.state import Ladder, PlanState
 from gpuwatchd.decide.verdict import UNREADABLE
 from gpuwatchd.state.directory import StateDir
 from gpuwatchd.state.saved import StateStore, read_saved_state, signalled_last_hour
+from tests.support.fakeproc import FakeProc
 from tests.support.statusrig import (
     BOOT,
     LADDER,
@@ -569,6 +570,7 @@ def _write_proc(root: Path, pid: int, *, comm: str, argv: list[str], state: str 
     (entry / "stat").write_text(f"{pid} ({comm}) {state} 1 {pid} {pid} 0 -1\n")
     (entry / "comm").write_text(comm + "\n")
     (entry / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+    (entry / "status").write_text(f"Name:\t{comm}\nUid:\t0\t0\t0\t0\n")  # root's
 
 
 @pytest.fixture
@@ -728,6 +730,28 @@ def test_look_at_process_on_real_processes(tmp_path: Path) -> None:
         done.wait()
     assert look_at_process("/proc", done.pid) == "gone"
     assert look_at_process(str(tmp_path), 99) == "gone"
+
+
+@pytest.mark.parametrize(
+    ("uid", "comm", "cmdline", "kind"),
+    [
+        (0, "gpuwatchd", None, "gpuwatchd"),
+        (os.geteuid(), "python3", ["python3", "/usr/bin/gpuwatchd", "run"], "gpuwatchd"),
+        (os.geteuid() + 1, "gpuwatchd", None, "other"),  # prctl(PR_SET_NAME) by another user
+        (os.geteuid() + 1, "python3", ["python3", "-m", "gpuwatchd", "run"], "other"),
+        (None, "gpuwatchd", None, "unknown"),  # its uid unread: not known to be the daemon
+    ],
+)
+def test_a_process_going_by_gpuwatchd_is_the_daemon_only_if_root_or_this_user_runs_it(
+    tmp_path: Path, uid: int | None, comm: str, cmdline: list[str] | None, kind: str
+) -> None:
+    """Any user may name a process gpuwatchd (comm, argv): status would call it the running
+    daemon at a reused PID, and a run --once waiting for the daemon would wait on it."""
+    fake = FakeProc(tmp_path)
+    base = fake.add(4242, comm=comm, cmdline=cmdline, uid=0 if uid is None else uid)
+    if uid is None:
+        (base / "status").write_text("Name:\tgpuwatchd\n")
+    assert look_at_process(str(tmp_path), 4242) == kind
 
 
 def test_what_the_daemon_writes_is_what_status_reads(tmp_path: Path) -> None:

@@ -220,3 +220,18 @@ def test_the_view_leaves_out_the_daemons_own_processes_and_keeps_each_holders_st
     assert view.holders == {7000, 7001}
     assert view.holder_ticks == {7000: 55, 7001: None}
     assert view.document()["holders"] == [[7000, 55], [7001, None]]
+
+
+@pytest.mark.parametrize("over", ["holders", "dead_listed"])
+def test_a_view_cut_at_max_holders_says_so_and_is_never_served_from(over: str) -> None:
+    """A holder the view leaves out would hold nothing to a scan built on it: a view longer
+    than MAX_HOLDERS says it is cut (``holders.json`` too), and the daemon declines to use it."""
+    many = range(1000, 1001 + holder_view.MAX_HOLDERS)
+    field: dict[str, Any] = {
+        "holders": HolderScan(mode="full", holdings={p: DeviceHolding(p) for p in many}),
+        "dead_listed": frozenset(many),
+    }
+    view = _view(**{over: field[over]})
+    assert (view.cut, view.document()["cut"], _view().document()["cut"]) == (True, True, False)
+    reason = holder_view.usable(view, now_wall=1010.0, boot_id="b" * 36, settings=view.settings)
+    assert reason == f"cut at {holder_view.MAX_HOLDERS} holders or dead PIDs"

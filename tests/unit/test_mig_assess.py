@@ -315,6 +315,22 @@ def test_a_stuck_or_abandoned_parent_only_holder_makes_its_gpu_dirty_and_is_no_t
     assert verdicts[gpu_uuid(1)].state.value == "clean"
 
 
+@pytest.mark.parametrize(("state", "kind"), [("D", "stuck"), ("S", "abandoned")])
+def test_a_holder_of_a_plain_gpu_and_a_mig_parent_node_is_marked_on_both(
+    state: str, kind: str
+) -> None:
+    """900 holds GPU 0's node and MIG GPU 1's with no capability of its instances: its role
+    and its dirt are on both GPUs, as a holder of two whole GPUs' would be."""
+    builder = HostBuilder().gpu(0).gpu(1)
+    builder.proc(900, state=state, cgroup=cg_slurm("42"), holds={0, 1}, uvm=True)
+    base = dataclasses.replace(builder.build(), handovers={"slurm:42": 10**12})
+    snapshot = with_mig(base, gpu=1, instances=[Inst(1), Inst(2)])
+    result = run(snapshot)
+    assert {r.gpu for r in result.roles if r.pid == 900} == {gpu_uuid(0), gpu_uuid(1)}
+    verdicts = judge(snapshot, result, Policy()).gpus
+    assert [[r.kind for r in v.reasons] for v in verdicts] == [[kind], [kind]]
+
+
 # --- a whole-GPU reset of a MIG GPU -----------------------------------------------------------
 
 

@@ -15,7 +15,7 @@ from gpuwatchd.core.model import Snapshot
 from gpuwatchd.decide.assess.holders import HolderPass
 from gpuwatchd.decide.assess.listing import ListingPass
 from gpuwatchd.decide.assess.memory import MemoryPass
-from gpuwatchd.decide.assess.shared import NODE, Assessment
+from gpuwatchd.decide.assess.shared import NODE, Assessment, HolderRole
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.health.judge import assess_health
 from gpuwatchd.decide.mig.instances import (
@@ -82,18 +82,23 @@ def assess_processes(
 
 
 def _with_mig(result: Assessment, layout: MigLayout, snapshot: Snapshot) -> Assessment:
-    """Findings about a MIG instance name it; a parent-only holder is said to be one."""
+    """Findings about a MIG instance name it; a parent-only holder is said to be one, and its
+    role is on each judged parent it holds (moved there from NODE: it holds no GPU of the view)."""
     if not layout.judged and not layout.unjudged:
         return result
-    roles = tuple(
-        replace(role, gpu=layout.parent_only[role.pid][0])
-        if role.gpu == NODE and role.pid in layout.parent_only
-        else role
-        for role in result.roles
-    )
+    roles: list[HolderRole] = []
+    marked: set[tuple[str, int]] = set()
+    for role in result.roles:
+        parents = layout.parent_only.get(role.pid, ())
+        if role.gpu != NODE or not parents:
+            roles.append(role)
+        for uuid in parents:
+            if (uuid, role.pid) not in marked:
+                marked.add((uuid, role.pid))
+                roles.append(replace(role, gpu=uuid))
     return replace(
         result,
         findings=tuple(annotate_findings(result.findings, layout, snapshot)),
-        roles=roles,
+        roles=tuple(roles),
         report_only=annotate_report_only(result.report_only, layout),
     )

@@ -267,7 +267,7 @@ def annotate_findings(
     """Name the instance in each finding about one; say what parent-only holders are. Ghost
     memory beside a parent-only CUDA holder (it may be its) is only ``unaccounted_memory``."""
     result: list[Finding] = []
-    for finding in findings:
+    for finding in (_with_parents(f, layout) for f in findings):
         instance = layout.instance_of(finding.gpu)
         if instance is not None:
             evidence = {**finding.evidence, "mig": instance.evidence()}
@@ -292,6 +292,16 @@ def annotate_findings(
         else:
             result.append(finding)
     return result
+
+
+def _with_parents(finding: Finding, layout: MigLayout) -> Finding:
+    """A finding about a holder of a GPU of the view that holds judged parents' nodes too (no
+    capability of theirs): about those GPUs as well, as about every GPU whose file it holds."""
+    parents = () if finding.pid is None else layout.parent_only.get(finding.pid, ())
+    held = finding.evidence.get("gpus")
+    if finding.gpu is None or not parents or not isinstance(held, list):
+        return finding
+    return replace(finding, evidence={**finding.evidence, "gpus": [*held, *parents]})
 
 
 def _parent_only_cuda(layout: MigLayout, snapshot: Snapshot, parent_uuid: str) -> list[int]:

@@ -10,6 +10,7 @@ import pathlib
 import pytest
 
 from gpuwatchd.collect.mig import cap_minor
+from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.decide.mig.instances import mig_layout
 from gpuwatchd.sim.scenario import load_scenario, parse_scenario
 from gpuwatchd.sim.scenario_spec import ScenarioError
@@ -122,3 +123,18 @@ def test_a_dry_run_of_the_mig_incident_names_the_same_single_target_and_sends_no
     assert {n for _, n, _, _ in preview.signals()} == {"loader-alice"}
     assert {o for _, _, _, o in preview.signals()} == {"dry_run"}
     assert preview.signals()[0][:3] == (50.0, "loader-alice", "SIGTERM")
+
+
+def test_an_xid_read_while_an_instance_is_re_created_is_judged_by_the_next_poll() -> None:
+    """The recovery's check reads the whole host, which takes the Xids queued since the last
+    poll (NVML's events, the kernel log's lines are read once): they are the next poll's, so a
+    double-bit ECC error on another GPU logged meanwhile still asks for that GPU's reset."""
+    text = (SCENARIOS / "mig-ghost-instance-recovery.yaml").read_text()
+    text = text.replace("processes:\n", "  - index: 1\nprocesses:\n", 1)
+    text += "events:\n  - during: health_check\n    xid: {gpu: 1, xid: 48}\n"
+    result = simulate(parse_scenario("xid.yaml", text))
+    assert [outcome for _, _, outcome in result.resets()] == ["success"]
+    (xid,) = result.entries(EventName.HEALTH_XID)
+    assert (xid.t, xid.fields["xid"]) == (125.0, 48)  # the poll after the recovery
+    uuid = result.final["gpus"][1]["uuid"]  # type: ignore[index]
+    assert result.final["open_findings"] == [f"reset_required:{uuid}:gpu"]

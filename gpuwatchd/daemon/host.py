@@ -31,6 +31,7 @@ from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.core.model import GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot
 from gpuwatchd.core.vocabulary import EventName, HookName, HookOutcome, Level
 from gpuwatchd.decide.policy import Policy
+from gpuwatchd.engine.edges import TakenXids
 from gpuwatchd.served.guard import GuardedWatch
 
 log = structlog.get_logger("gpuwatchd")
@@ -43,9 +44,10 @@ class HostReader:
     collector: Collector
     procfs: ProcFS
     nvml: NvmlClient
+    taken: TakenXids = field(default_factory=TakenXids)  # by read_gpu: the next poll's
 
     def collect(self) -> Snapshot:
-        return self.collector.collect()
+        return self.taken.first_in(self.collector.collect())
 
     def stop_nvml(self) -> bool:
         return self.nvml.stop()
@@ -56,7 +58,9 @@ class HostReader:
         return holders, self.procfs.read_processes(pids)
 
     def read_gpu(self, uuid: str) -> GpuInfo | None:
-        return next((gpu for gpu in self.nvml.read().gpus if gpu.uuid == uuid), None)
+        gpus = self.nvml.read().gpus  # it takes every GPU's queued Xid events
+        self.taken.add(gpus)
+        return next((gpu for gpu in gpus if gpu.uuid == uuid), None)
 
     def self_pids(self) -> frozenset[int]:
         return frozenset({os.getpid()}) | self.nvml.worker_pids

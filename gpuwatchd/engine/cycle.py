@@ -20,11 +20,9 @@ from gpuwatchd.act.reset_target import ResetOutcome, ResetTarget, outcome_event,
 from gpuwatchd.core.checked import as_list, as_text
 from gpuwatchd.core.model import (
     GpuInfo,
-    KernelXid,
     ProcessIdentity,
     Snapshot,
     Spare,
-    XidEvent,
     as_int,
     fields_of,
 )
@@ -82,6 +80,7 @@ from gpuwatchd.engine.edges import (
     PollReport,
     Runner,
     Standing,
+    TakenXids,
     run_inline,
     run_now,
 )
@@ -155,9 +154,7 @@ class Engine:
             collections.deque()
         )
         self._crashed: collections.deque[str] = collections.deque()  # background_crashed
-        # The Xids a reading inside the reset procedure took (instance_back): the next poll's.
-        self._taken_kernel: list[KernelXid] = []
-        self._taken_events: dict[str, tuple[XidEvent, ...]] = {}
+        self._taken = TakenXids()  # by a reading inside the reset procedure (instance_back)
         self._snapshot: Snapshot | None = None
         self._assessment: Assessment | None = None
         self._verdict: NodeVerdict | None = None  # each GPU clean for a new job?
@@ -237,7 +234,7 @@ class Engine:
 
     def _read(self) -> Snapshot:
         """The poll's snapshot, with the spares in force, NVML's availability changes said."""
-        snapshot = self._with_taken_xids(self.reader.collect())
+        snapshot = self._taken.first_in(self.reader.collect())
         if self.spares:
             # Read at ``_spares_read`` (wall): their ends keep the time they had left then,
             # whatever the wall clock did since (a step must not end one early).
@@ -271,23 +268,6 @@ class Engine:
         for notice in assessment.xid_notices:  # decide/health/xid_sources.py: floods said once
             self.emit(EventName.HEALTH_XID, notice.level, **notice.fields())
         return assessment
-
-    def _with_taken_xids(self, snapshot: Snapshot) -> Snapshot:
-        """``snapshot`` with the Xids read since the last poll by the reset procedure first (a
-        reading takes them once): the kernel log's, and NVML's events of each GPU whose health
-        it read."""
-        taken, self._taken_kernel = self._taken_kernel, []
-        events, self._taken_events = self._taken_events, {}
-        if not taken and not any(events.values()):
-            return snapshot
-        gpus = tuple(
-            gpu
-            if gpu.health is None or not events.get(gpu.uuid)
-            else replace(gpu, health=replace(gpu.health, xids=events[gpu.uuid] + gpu.health.xids))
-            for gpu in snapshot.nvml.gpus
-        )
-        kernel = (*taken, *snapshot.kernel_xids)
-        return replace(snapshot, nvml=replace(snapshot.nvml, gpus=gpus), kernel_xids=kernel)
 
     def _follow_wall(self, wall: float) -> None:
         """The wall clock stepped back to ``wall`` since the plan's last wall time: the health
@@ -906,10 +886,7 @@ class Engine:
         detection = self.policy.detection
         baseline = self.state.assess.baselines.get(recovery.mig_uuid, detection.default_baseline)
         snapshot = self.reader.collect()
-        self._taken_kernel.extend(snapshot.kernel_xids)  # this reading took them: the poll's
-        for gpu in snapshot.nvml.gpus:
-            taken = () if gpu.health is None else gpu.health.xids
-            self._taken_events[gpu.uuid] = self._taken_events.get(gpu.uuid, ()) + taken
+        self._taken.add(snapshot.nvml.gpus, snapshot.kernel_xids)  # the next poll's
         return recovered(recovery, snapshot, max_used=baseline + detection.ghost_margin)
 
     def reread_gpu(self, target: ResetTarget) -> GpuInfo | None:

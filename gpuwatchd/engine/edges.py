@@ -5,13 +5,22 @@ real host, ``simulate`` on a virtual one (docs/architecture.md, "The four edges"
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar
 
 from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.act.signals import SignalResult
-from gpuwatchd.core.model import GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot, Spare
+from gpuwatchd.core.model import (
+    GpuInfo,
+    HolderScan,
+    KernelXid,
+    ProcessIdentity,
+    ProcessInfo,
+    Snapshot,
+    Spare,
+    XidEvent,
+)
 from gpuwatchd.core.model import Pause as Pause  # noqa: PLC0414 - re-exported: a poll input
 from gpuwatchd.core.vocabulary import Level
 from gpuwatchd.decide.assess.shared import Assessment
@@ -41,6 +50,37 @@ class HostReader(Protocol):
 
     def self_pids(self) -> frozenset[int]:
         """Our own processes (the daemon and its NVML worker): never holders or blockers."""
+
+
+@dataclass
+class TakenXids:
+    """The Xids a reading between two polls took (each is read once: NVML's events, the kernel
+    log's new lines), kept for the next poll's snapshot (docs/internals.md)."""
+
+    events: dict[str, tuple[XidEvent, ...]] = field(default_factory=dict)  # by GPU UUID
+    kernel: tuple[KernelXid, ...] = ()
+
+    def add(self, gpus: Iterable[GpuInfo], kernel: tuple[KernelXid, ...] = ()) -> None:
+        for gpu in gpus:
+            if gpu.health is not None and gpu.health.xids:
+                self.events[gpu.uuid] = self.events.get(gpu.uuid, ()) + gpu.health.xids
+        self.kernel += kernel
+
+    def first_in(self, snapshot: Snapshot) -> Snapshot:
+        """``snapshot`` with the Xids kept in front of its own (NVML's of each GPU whose health
+        it read); none are kept after."""
+        events, kernel = self.events, self.kernel
+        self.events, self.kernel = {}, ()
+        if not events and not kernel:
+            return snapshot
+        gpus = tuple(
+            gpu
+            if gpu.health is None or gpu.uuid not in events
+            else replace(gpu, health=replace(gpu.health, xids=events[gpu.uuid] + gpu.health.xids))
+            for gpu in snapshot.nvml.gpus
+        )
+        kernel += snapshot.kernel_xids
+        return replace(snapshot, nvml=replace(snapshot.nvml, gpus=gpus), kernel_xids=kernel)
 
 
 class Actuator(Protocol):

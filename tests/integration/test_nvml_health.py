@@ -7,13 +7,16 @@ worker reply carries can become an out-of-range value (``collect/nvml.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from gpuwatchd.collect.nvml import NvmlClient, to_health
+from gpuwatchd.config.schema import default_policy
 from gpuwatchd.core.model import Support
+from gpuwatchd.daemon.host import build_real_host
 from tests.support.fakenvml import (
     NVML_ERROR_FUNCTION_NOT_FOUND,
     NVML_ERROR_NO_PERMISSION,
@@ -93,6 +96,33 @@ def test_xid_events_are_delivered_once_to_their_gpu(
     # A fresh worker (as after a reset) does not see them again either.
     client.stop()
     assert all(g.health and g.health.xids == () for g in client.read().gpus)
+
+
+def test_xid_events_a_reading_of_one_gpu_took_are_the_next_polls(fake_nvml: FakeNvml) -> None:
+    """The reset procedure reads its GPU alone (its memory after the reset, its NVLink fabric
+    each second): the worker's reading takes every GPU's queued events, so the daemon's reader
+    keeps them for its next poll rather than let an Xid of another GPU go unjudged."""
+    gpus = [gpu(0), gpu(1)]
+    fake_nvml.write(state(gpus))
+    policy = dataclasses.replace(
+        default_policy(), devices_dir=str(fake_nvml.devices_dir), namespace_check=False
+    )
+    host = build_real_host(policy, nvml_env=fake_nvml.env())
+    try:
+        first = host.reader.collect().nvml.gpus
+        assert all(g.health and g.health.xids == () for g in first)
+        fake_nvml.write(state(gpus, events=[{"id": "a", "gpu": 1, "type": XID, "data": 48}]))
+        reset = host.reader.read_gpu(first[0].uuid)
+        assert reset is not None
+        assert reset.health is not None
+        assert reset.health.xids == ()
+        zero, one = (g.health for g in host.reader.collect().nvml.gpus)
+        assert zero is not None
+        assert one is not None
+        assert (zero.xids, [x.xid for x in one.xids]) == ((), [48])
+        assert all(g.health and g.health.xids == () for g in host.reader.collect().nvml.gpus)
+    finally:
+        host.close()
 
 
 def test_unsupported_events_and_fields_are_not_supported_not_errors(

@@ -41,7 +41,8 @@ class CommandResult:
     in the kernel), negative for a signal. ``output``: stdout and stderr, the last
     :data:`OUTPUT_LIMIT` bytes. ``error``: what went wrong on our side. ``cancelled``: the
     daemon stopped while it ran. ``leftovers``: processes it left running (killed at its
-    deadline, or when the daemon stops)."""
+    deadline, or when the daemon stops). ``unkillable``: processes of its tree still there
+    after SIGKILL (stuck in the kernel; ``error`` says so)."""
 
     argv: tuple[str, ...]
     returncode: int | None
@@ -51,6 +52,7 @@ class CommandResult:
     error: str | None
     cancelled: bool = False
     leftovers: int = 0
+    unkillable: int = 0
 
     @property
     def ok(self) -> bool:
@@ -238,6 +240,7 @@ def _result(
         error="; ".join(errors) or None,
         cancelled=report.get("cancelled") is True,
         leftovers=leftovers if leftovers is not None and leftovers > 0 else 0,
+        unkillable=stuck if stuck is not None and stuck > 0 else 0,
     )
 
 

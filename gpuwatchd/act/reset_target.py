@@ -283,8 +283,8 @@ def says_in_use(result: CommandResult) -> bool:
 def interpret_reset_exit(result: CommandResult) -> tuple[ResetResult, bool, str]:
     """``(result, needs_reboot, reason)`` for a finished reset command, its output quoted."""
     output = quote_output(result.output)
-    if result.timed_out:
-        unkillable = result.returncode is None
+    if result.timed_out:  # a process of its tree stuck in the kernel: the GPU is wedged
+        unkillable = result.returncode is None or result.unkillable > 0
         reason = f"reset command did not finish within {result.duration:.1f}s and was killed"
         if unkillable:
             reason += f"; {result.error}: the GPU is probably wedged"

@@ -19,14 +19,20 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.act.commands import OUTPUT_LIMIT, fill_hooks, run_command, run_hooks
+from gpuwatchd.act.reset import perform_reset
+from gpuwatchd.act.reset_target import ResetTarget
 from gpuwatchd.act.signals import Signaller, stat_start_ticks
 from gpuwatchd.core.model import ProcessIdentity
 from gpuwatchd.core.vocabulary import SignalOutcome
 from gpuwatchd.decide.argv import format_argv, hook_environment
 from gpuwatchd.decide.policy import Hook
+from tests.support.fakesmi import FakeSmi
 from tests.support.liveness import is_dead
+from tests.support.resetrig import FakeEnvironment, make_policy
+from tests.support.unkillable import HangingFuse
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+RESET_UUID = "GPU-12345678-1234-1234-1234-123456789abc"
 IGNORES_SIGTERM = (
     "import signal, sys, time\n"
     "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
@@ -431,6 +437,29 @@ def test_run_command_keeps_only_the_tail_of_a_long_output() -> None:
     assert result.output.endswith("END")
     assert "bytes dropped" in result.output
     assert len(result.output) < OUTPUT_LIMIT + 100
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_a_reset_script_whose_child_cannot_be_killed_at_its_timeout_needs_a_reboot(
+    tmp_path: Path, hanging_fuse: HangingFuse
+) -> None:
+    """A site script as ``reset.command`` runs nvidia-smi, which hangs in the driver: at the
+    timeout the script dies and its child cannot (state D). The command's tree could not be
+    killed, so the GPU needs a reboot, as when the command itself is stuck (docs/reset.md)."""
+    script = tmp_path / "reset-gpu"
+    script.write_text(
+        f"#!/bin/sh\nsh -c 'exec 3<\"{hanging_fuse.file}\"; exec sleep 600' &\nwait\n"
+    )
+    script.chmod(0o755)
+    smi = FakeSmi(tmp_path / "bin")
+    policy = make_policy(smi, command=(str(script), "{uuid}"), timeout=1.0)
+    target = ResetTarget(uuid=RESET_UUID, pci_bus_id=None, minor=0, persistence_was_on=False)
+    outcome = perform_reset(target, policy, FakeEnvironment(smi), dry_run=False)
+    assert (outcome.result, outcome.needs_reboot) == ("timeout", True)
+    assert "1 process(es) still running after SIGKILL" in outcome.reason
+    assert outcome.command is not None
+    assert (outcome.command.returncode, outcome.command.unkillable) == (-signal.SIGKILL, 1)
 
 
 # --- argv templates and hooks -----------------------------------------------------------------

@@ -46,7 +46,7 @@ from gpuwatchd.decide.policy import Detection
 from tests.support.fakenvml import FakeNvml, gpu, open_device_files, state
 from tests.support.fakeproc import FakeProc, make_devices
 from tests.support.simhost import SimHost
-from tests.support.unkillable import HangingFuse, Unavailable
+from tests.support.unkillable import HangingFuse
 
 LINE_BREAKS = ["\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
 BREAK_IDS = [f"U+{ord(c):04X}" for c in LINE_BREAKS]
@@ -396,18 +396,6 @@ def _state_of(pid: int) -> str | None:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return None
-
-
-@pytest.fixture
-def hanging_fuse(tmp_path: Path) -> Iterator[HangingFuse]:
-    try:
-        fuse = HangingFuse(tmp_path / "fuse").start()
-    except Unavailable as why:
-        pytest.skip(f"no unkillable process without FUSE: {why}")
-    try:
-        yield fuse
-    finally:
-        fuse.close()  # aborts the connection first: nothing stays stuck
 
 
 @pytest.mark.root

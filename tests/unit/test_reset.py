@@ -450,6 +450,12 @@ def result_of(
         (result_of(-9), "failed", False, "signal 9"),
         (result_of(-9, timed_out=True), "timeout", False, "did not finish"),
         (result_of(None, timed_out=True, error="still running"), "timeout", True, "wedged"),
+        (  # a script whose child is stuck in the driver: the script died, the tree did not
+            replace(result_of(-9, timed_out=True, error="1 still running"), unkillable=1),
+            "timeout",
+            True,
+            "1 still running: the GPU is probably wedged",
+        ),
         (result_of(None, error="cannot run nvidia-smi: No such file"), "failed", False, "No such"),
     ],
 )

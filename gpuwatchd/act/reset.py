@@ -356,8 +356,36 @@ def _up_to_final_scan(proc: Procedure) -> ResetOutcome | None:
     if blockers:
         reason = f"{len(blockers)} blocker(s): " + "; ".join(blockers)
         return proc.abort(ResetStep.FINAL_SCAN, reason, blockers)
-
+    if proc.target.layout and not proc.dry_run and (changed := _layout_changed(proc)):
+        return proc.abort(ResetStep.FINAL_SCAN, f"the MIG layout changed since the plan: {changed}")
     return None
+
+
+def _layout_changed(proc: Procedure) -> str | None:
+    """A MIG GPU read again right before its reset: None when it has exactly the recorded
+    layout (the reset takes down every instance, the restore creates the recorded ones), else
+    what differs (unknown counts as changed). Said as the final scan's reading."""
+    layout, why = proc.target.layout, None
+    try:
+        gpu = proc.env.reread_gpu(proc.target)
+    except Exception as err:  # unknown is not as planned
+        why = f"reading the GPU again failed: {err}"
+    else:
+        missing = layout_missing(layout, gpu)
+        found = 0 if gpu is None else len(gpu.mig_devices or ())
+        if isinstance(missing, str):
+            why = missing
+        elif missing:
+            why = f"{len(missing)} of its {len(layout)} recorded GPU instance(s) are gone"
+        elif found != len(layout):  # one more, or a GPU instance split in compute instances
+            why = f"it has {found} compute instance(s) where {len(layout)} were recorded"
+    proc.event(
+        ResetStep.FINAL_SCAN,
+        ResetStepStatus.CHANGED if why else ResetStepStatus.AS_PLANNED,
+        level=Level.WARNING if why else Level.INFO,
+        detail=why or "the recorded MIG layout",
+    )
+    return why
 
 
 def _drain(proc: Procedure) -> ResetOutcome | None:

@@ -14,6 +14,7 @@ import pytest
 from gpuwatchd.act.reset import perform_reset
 from gpuwatchd.act.reset_resume import resume_interrupted
 from gpuwatchd.act.reset_target import ResetTarget, progress_record
+from gpuwatchd.core.model import GpuInfo
 from gpuwatchd.core.vocabulary import ResetStep
 from gpuwatchd.decide.mig.recovery import InstanceRecovery
 from gpuwatchd.decide.policy import ResetPolicy
@@ -73,7 +74,9 @@ def test_the_layout_is_recorded_then_created_again_after_the_reset_and_checked(
     outcome = perform_reset(TARGET, mig_policy(smi), env, dry_run=False)
     assert outcome.result == "success", outcome.reason
     assert smi_commands(smi) == [RESET, QUERY, CGI_A, CGI_B]
-    assert env.calls == ["stop_nvml", "final_blockers", "reread", "instance", "instance"]
+    assert env.calls == [
+        "stop_nvml", "final_blockers", "reread", "reread", "instance", "instance"
+    ]  # fmt: skip
     assert "its MIG layout is back (2 GPU instance(s))" in outcome.reason
     # Recorded before the reset: a restart knows what to create again.
     (at_reset,) = [r for r in env.records if r["step"] == "reset"]
@@ -100,13 +103,41 @@ def test_mig_mode_off_after_the_reset_is_failed_with_the_whole_layout_left(
     smi: FakeSmi,
 ) -> None:
     off = layout_gpu(LAYOUT, present=set(), mig_enabled=False)
-    env = FakeEnvironment(smi, rereads=[off])
+    env = FakeEnvironment(smi, rereads=[layout_gpu(LAYOUT, present={0, 1}), off])
     outcome = perform_reset(TARGET, mig_policy(smi), env, dry_run=False)
     assert outcome.result == "failed"
     assert "MIG mode is not confirmed after the reset" in outcome.reason
     assert "-cgi 9:0 -C" in outcome.reason
     assert "-cgi 19:6 -C" in outcome.reason
     assert smi_commands(smi) == [RESET, QUERY]
+
+
+@pytest.mark.parametrize(
+    ("reading", "why"),
+    [
+        (layout_gpu(LAYOUT, present={1}), "1 of its 2 recorded GPU instance(s) are gone"),
+        (
+            layout_gpu((*LAYOUT, instance(3, 19, 5, 1)), present={0, 1, 2}),
+            "it has 3 compute instance(s) where 2 were recorded",
+        ),
+        (layout_gpu(LAYOUT, present={0, 1}, mig_enabled=False), "GPU 0 is not in MIG mode"),
+        (OSError("NVML is gone"), "reading the GPU again failed: NVML is gone"),
+    ],
+)
+def test_a_layout_changed_since_the_plan_refuses_the_reset_before_it_runs(
+    smi: FakeSmi, reading: GpuInfo | Exception, why: str
+) -> None:
+    """The GPU is read again right before its reset: an instance destroyed or created since the
+    plan (an admin, a MIG manager) would be re-created or lost by the restore, so nothing runs."""
+    env = FakeEnvironment(smi, rereads=[reading])
+    outcome = perform_reset(TARGET, mig_policy(smi), env, dry_run=False)
+    assert (outcome.result, outcome.step) == ("refused", ResetStep.FINAL_SCAN)
+    assert f"the MIG layout changed since the plan: {why}" in outcome.reason
+    assert smi_commands(smi) == []  # no reset, no create
+    assert ["hook", "after"] in smi.calls()  # undone
+    (said,) = [e for e in env.step_events(ResetStep.FINAL_SCAN) if e["status"] == "changed"]
+    assert why in str(said["detail"])
+    assert all(r["reset_started"] is False for r in env.records)
 
 
 def test_an_instance_not_back_after_its_create_is_failed(smi: FakeSmi) -> None:

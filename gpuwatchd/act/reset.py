@@ -86,6 +86,7 @@ class Procedure:
     reset_started: bool = False
     result: ResetResult | None = None
     commands_done: int = 0  # a MIG recovery's commands that completed (run_recovery)
+    rebooted: bool = False  # the resume of another boot's reset: its records say so too
     notes: list[str] = field(default_factory=list)
 
     def begin(self, step: ResetStep) -> bool:
@@ -102,6 +103,8 @@ class Procedure:
         }
         if self.target.recovery is not None:
             data["commands_done"] = self.commands_done
+        if self.rebooted:  # a crash during its undo must not make it this boot's reset
+            data["rebooted"] = True
         try:
             self.env.record_step(self.target, step, data)
         except Exception as err:  # any failure to persist is the same problem

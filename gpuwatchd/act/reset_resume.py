@@ -48,8 +48,9 @@ def shown_record(record: Mapping[str, object]) -> dict[str, str]:
 
 
 def of_another_boot(record: Mapping[str, object]) -> bool:
-    """Whether the state file that held ``record`` was saved in another boot: the start that
-    read it marks it (``"rebooted": true``), before it saves the state as this boot's."""
+    """Whether the reset ``record`` is of ran in another boot: the start that read it from a
+    state file of another boot marks it (``"rebooted": true``) before it saves the state as
+    this boot's, and its resume keeps the mark in the records it writes."""
     return record.get("rebooted") is True
 
 
@@ -173,8 +174,9 @@ def _after_reboot(proc: Procedure, step: ResetStep) -> ResetOutcome:
     check or re-create). Only what the reset did outside the GPU is undone: the monitors'
     units started, the after hooks run, with the recorded result (``refused`` before the
     reset command; ``failed`` while the GPU was still to check: it is not checked). Its own
-    records from here on (persistence mode not off, a result) run no GPU command either."""
-    proc.persistence_off = False
+    records from here on (persistence mode not off, a result) run no GPU command either, and
+    stay another boot's (``rebooted``): the engine books none of it after a crash either."""
+    proc.persistence_off, proc.rebooted = False, True
     if not proc.reset_started:
         result = ResetResult.REFUSED
     elif proc.result is None or _to_check(proc, step):

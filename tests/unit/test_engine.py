@@ -368,6 +368,38 @@ def test_a_reset_undone_after_a_restart_in_its_drain_is_held_saying_so() -> None
     assert second.engine.state.plan.reset_refusals[GPU0].reason == why
 
 
+@dataclass
+class _KilledInTheAfterHook(Actuator):
+    """The daemon is killed (SIGKILL: nothing more runs) while a reset's after hook runs."""
+
+    def run_command(
+        self, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
+    ) -> CommandResult:
+        if (env or {}).get("GPUWATCHD_EVENT") == "reset_after":
+            raise KeyboardInterrupt
+        return super().run_command(argv, timeout=timeout, env=env)
+
+
+def test_a_crash_while_another_boots_reset_is_undone_leaves_it_another_boots() -> None:
+    """After a reboot the start undoes the last boot's reset outside the GPU and books none of
+    it. Killed in its after hook, the next start still takes the record for another boot's: no
+    outcome booked (a success would have dealt with this boot's Xids of the GPU)."""
+    pol = make_policy("reset: {confirm_for: 0s, cooldown: 1m, after: [{command: [undrain]}]}")
+    state = _interrupted_during_the_reset(pol, step="after_hooks", result="success", rebooted=True)
+    second = rig(pol, ghost_host, state=state, actuator=_KilledInTheAfterHook())
+    with contextlib.suppress(KeyboardInterrupt):
+        second.engine.resume_interrupted_reset()
+    record = second.engine.state.reset_in_progress
+    assert record is not None
+    assert record["step"] == "after_hooks"
+    third = rig(pol, ghost_host, state=second.engine.state)
+    third.engine.resume_interrupted_reset()
+    assert [c for c, _env in third.actuator.commands] == [("undrain",)]  # run again
+    assert third.sink.named(EventName.RESET_OUTCOME) == []
+    cleared = third.sink.named(EventName.RESET_IN_FLIGHT_CLEARED)
+    assert [c["why"] for c in cleared] == ["the node rebooted since it was decided on"]
+
+
 @pytest.mark.parametrize("step", ["reset", "no such step"])
 def test_a_huge_record_is_shown_cut_in_every_event_of_its_resume(step: str) -> None:
     """A record is read from the state file (hostile, up to its size): ``reset.resume`` shows

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from gpuwatchd.core.checked import decimal
 from gpuwatchd.decide.verdict import UNREADABLE
 from gpuwatchd.engine.edges import PollReport
+from gpuwatchd.events.words import short
 
 T = TypeVar("T")
 FEED_EVERY = 1.0  # seconds between watchdog pings while slow work runs
@@ -90,8 +91,8 @@ def keep_watchdog_fed(notifier: Notifier, work: Callable[[], T], every: float = 
 def describe_status(report: PollReport, dry_run: bool) -> str:
     """The one-line ``systemctl status`` text, from one poll's report."""
     reading, state, verdict = report.snapshot.nvml, report.plan, report.verdict
-    if not reading.available:
-        return f"NVML unavailable: {reading.error or 'unknown error'} (retrying)"
+    if not reading.available:  # the error is the worker's text: escaped, cut, one line
+        return f"NVML unavailable: {short(reading.error or 'unknown error')} (retrying)"
     parts = [f"{_counted(len(reading.gpus), 'GPU')} watched"]
     if reading.wedged:
         parts.insert(0, "driver wedged")

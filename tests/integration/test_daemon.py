@@ -154,6 +154,19 @@ def test_status_counts_findings() -> None:
     assert "3 findings" in describe_status(report, True)
 
 
+def test_an_nvml_error_in_the_status_line_is_one_short_line_of_text() -> None:
+    """The error is the NVML worker's text (a reply up to 64 MiB): a newline in it would be a
+    notification of its own to systemd (WATCHDOG=trigger restarts the daemon), and a datagram
+    that large is dropped whole, its WATCHDOG=1 with it."""
+    error = "no lib\nWATCHDOG=trigger\n" + "x" * 1_000_000
+    report = PollReport(snapshot(NvmlReading(False, error=error)), assessment(), PlanState())
+    status = describe_status(report, False)
+    assert status.startswith("NVML unavailable: no lib\\nWATCHDOG=trigger\\nxxx")
+    assert status.endswith("... (retrying)")
+    assert "\n" not in status
+    assert len(status) < 200
+
+
 def proc(pid: int, comm: str) -> ProcessInfo:
     return ProcessInfo(pid=pid, start_ticks=1, state="S", ppid=1, pgid=pid, sid=pid, comm=comm)
 

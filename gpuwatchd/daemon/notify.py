@@ -34,7 +34,10 @@ class Notifier:
 
     def notify(self, message: str) -> None:
         if self._notifier is not None:
-            self._notifier.notify(message)
+            # sdnotify sends the text as Latin-1 and drops it whole on any character past it;
+            # systemd reads UTF-8: the UTF-8 bytes are handed over as the Latin-1 they spell
+            # (a lone surrogate, from a file name that is not UTF-8, as its escape).
+            self._notifier.notify(message.encode(errors="backslashreplace").decode("latin-1"))
 
 
 def watchdog_slice() -> float:

@@ -279,7 +279,7 @@ class Daemon:
             interval=self.policy.interval,
         )
         self._start_device_watch()
-        self.engine.resume_interrupted_reset(self._read_pause())
+        self._fed(lambda: self.engine.resume_interrupted_reset(self._read_pause()))
         started = self.clock()
         watched: frozenset[str] | None = None
         code = ExitCode.OK
@@ -595,8 +595,9 @@ class Daemon:
         )
 
     def _fed(self, work: Callable[[], T]) -> T:
-        """Run slow work (a reset, hooks, reading a policy) with the watchdog fed meanwhile."""
-        return keep_watchdog_fed(self.notifier, work)
+        """Run slow work (a reset, hooks, reading a policy) with the watchdog fed meanwhile, and
+        before READY=1 the unit's start timeout extended."""
+        return keep_watchdog_fed(self.notifier, work, starting=not self._ready_sent)
 
     def _wait(self) -> None:
         """Sleep until the next poll or deadline, waking at once for exits and signals."""

@@ -20,6 +20,7 @@ from gpuwatchd.events.words import short
 
 T = TypeVar("T")
 FEED_EVERY = 1.0  # seconds between watchdog pings while slow work runs
+START_EXTENSION = 60.0  # seconds each ping of slow work before READY=1 adds to the start timeout
 
 
 class Notifier:
@@ -72,14 +73,22 @@ class WatchdogPinger:
             self.ping()
 
 
-def keep_watchdog_fed(notifier: Notifier, work: Callable[[], T], every: float = FEED_EVERY) -> T:
+def keep_watchdog_fed(
+    notifier: Notifier, work: Callable[[], T], every: float = FEED_EVERY, *, starting: bool = False
+) -> T:
     """Run slow work (a reset, hooks) right here, on the loop's own thread, while a helper
-    thread only feeds the watchdog: the work calls back into nothing from another thread."""
+    thread only feeds the watchdog: the work calls back into nothing from another thread.
+    ``starting``: before READY=1, when the unit's start timeout runs (a reset resumed at start
+    or begun by the first poll outlasts it): each ping, and the last, extends it by
+    :data:`START_EXTENSION`, time for the rest of the first poll."""
+    ping = (
+        f"WATCHDOG=1\nEXTEND_TIMEOUT_USEC={START_EXTENSION * 1e6:.0f}" if starting else "WATCHDOG=1"
+    )
     done = threading.Event()
 
     def feed() -> None:
         while not done.wait(every):
-            notifier.notify("WATCHDOG=1")
+            notifier.notify(ping)
 
     feeder = threading.Thread(target=feed, name="gpuwatchd-watchdog", daemon=True)
     feeder.start()
@@ -88,7 +97,7 @@ def keep_watchdog_fed(notifier: Notifier, work: Callable[[], T], every: float = 
     finally:
         done.set()
         feeder.join()
-        notifier.notify("WATCHDOG=1")
+        notifier.notify(ping)
 
 
 def describe_status(report: PollReport, dry_run: bool) -> str:

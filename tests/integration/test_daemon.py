@@ -624,3 +624,30 @@ def test_a_state_saved_with_no_boot_id_is_another_boots_and_its_xids_are_forgott
         daemon._load_state()
         assert daemon.engine.state.assess.health == (history if boot else HealthState())
         assert daemon.save_state()
+
+
+def test_slow_work_before_ready_extends_the_units_start_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """READY=1 comes after the first completed poll, and systemd ends a start that outlasts
+    TimeoutStartSec=2min: a reset resumed at start, or begun by the first poll (reset.timeout
+    and each hook up to 10 min), was killed half done and resumed again at each restart, its
+    hooks run again, until the start limit left the node unwatched. Slow work before READY=1
+    now extends the start timeout as it runs; after it, it only feeds the watchdog."""
+    daemon, _ = _daemon_with_config(tmp_path, "dry_run: true\n")
+    (tmp_path / "state").mkdir(mode=0o700)
+    daemon.notifier = recorder = _Recorder()
+    extend = "WATCHDOG=1\nEXTEND_TIMEOUT_USEC=60000000"
+
+    def first_poll() -> None:
+        daemon._fed(lambda: None)  # a reset the first poll runs
+        daemon._stop = True
+
+    monkeypatch.setattr(daemon.engine, "resume_interrupted_reset", lambda pause: None)
+    monkeypatch.setattr(daemon, "poll_once", first_poll)
+    monkeypatch.setattr(daemon, "_install_signal_handlers", lambda: None)
+    monkeypatch.setattr(daemon, "_wait", lambda: None)
+    daemon.run()
+    assert recorder.sent[:3] == [extend, extend, "READY=1"]  # the resume's, the poll's
+    daemon._fed(lambda: None)
+    assert recorder.sent[-1] == "WATCHDOG=1"

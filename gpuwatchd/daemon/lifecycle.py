@@ -241,12 +241,14 @@ class Daemon:
                 # never restarted): exit 1 with the traceback, and systemd restarts it.
                 raise RuntimeError(f"the poll loop failed: {_os_error(exc)}") from exc
         finally:
+            # The host first: a scan beside the daemon knows its NVML worker only as a child
+            # of the lock's holder (cli/scan.py), so the worker ends while the lock is held.
+            self._serving.close()
+            self.host.close()
             try:
                 held.close()  # the loop has ended: a failed unlock does not change its answer
             except OSError as exc:
                 log.critical(EventName.STATE_DIR_UNUSABLE, path=state_dir, error=_os_error(exc))
-            self._serving.close()
-            self.host.close()
             self.store.close()
 
     def _start_device_watch(self) -> None:

@@ -651,3 +651,26 @@ def test_slow_work_before_ready_extends_the_units_start_timeout(
     assert recorder.sent[:3] == [extend, extend, "READY=1"]  # the resume's, the poll's
     daemon._fed(lambda: None)
     assert recorder.sent[-1] == "WATCHDOG=1"
+
+
+def test_the_nvml_worker_is_stopped_before_the_lock_is_released(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scan or check-clean beside the daemon knows its NVML worker only as a child of the
+    lock's holder: with the lock released first, a prolog's check-clean in between saw the
+    stopping daemon's worker as a holder of every GPU it had open (not clean)."""
+    daemon, _ = _daemon_with_config(tmp_path, "dry_run: true\n")
+    (tmp_path / "state").mkdir(mode=0o700)
+    holders: list[int | None] = []
+    stop = daemon.nvml.stop
+
+    def stop_worker() -> bool:
+        holders.append(daemon.store.directory().lock_holder())
+        return stop()
+
+    monkeypatch.setattr(daemon.nvml, "stop", stop_worker)
+    monkeypatch.setattr(daemon, "poll_once", lambda: setattr(daemon, "_stop", True))
+    monkeypatch.setattr(daemon, "_install_signal_handlers", lambda: None)
+    monkeypatch.setattr(daemon, "_wait", lambda: None)
+    assert daemon.run() == ExitCode.OK
+    assert holders == [os.getpid()]

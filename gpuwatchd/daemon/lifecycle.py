@@ -55,7 +55,7 @@ from gpuwatchd.decide.verdict import (
 from gpuwatchd.engine.cycle import Engine, EngineState
 from gpuwatchd.engine.edges import Pause, PollInputs, PollReport, Standing
 from gpuwatchd.events.catalogue import hook_outcome
-from gpuwatchd.events.words import JournalNamer, finding_label
+from gpuwatchd.events.words import JournalNamer, finding_label, short
 from gpuwatchd.served.guard import ServedPoll, early_poll_at
 from gpuwatchd.served.scan_socket import ScanAnswer, ScanRequest
 from gpuwatchd.state.accepted import render_accepted, save_accepted
@@ -715,10 +715,10 @@ class Daemon:
             except ValueError as exc:
                 log.error(EventName.STATE_INVALID, error=str(exc), path=self.policy.state_dir)
                 lost = self.store.discard_corrupt(str(exc))
-            if rebooted:
-                log.info(
-                    EventName.STATE_NEW_BOOT, saved_boot_id=data.get("boot_id"), boot_id=boot_id
-                )
+            if rebooted:  # the saved id is the file's: any value, as large as the file
+                saved = data.get("boot_id")
+                shown = None if saved is None else short(saved)
+                log.info(EventName.STATE_NEW_BOOT, saved_boot_id=shown, boot_id=boot_id)
         if lost is not None:
             why = f"{UNREADABLE} ({lost}): what it held is unknown"
             latched = PlanState(

@@ -674,3 +674,20 @@ def test_the_nvml_worker_is_stopped_before_the_lock_is_released(
     monkeypatch.setattr(daemon, "_wait", lambda: None)
     assert daemon.run() == ExitCode.OK
     assert holders == [os.getpid()]
+
+
+def test_a_hostile_saved_boot_id_is_shown_cut_in_the_new_boot_event(tmp_path: Path) -> None:
+    """The saved boot id is the state file's (as large as the file, any JSON value): the
+    ``state.new_boot`` event showed it whole; it shows it as event values are, escaped and
+    cut (none stays none)."""
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    policy = dataclasses.replace(default_policy(), state_dir=str(state_dir))
+    for saved, shown in (("b\n" + "x" * 1_000_000, "b\\n" + "x" * 154 + "..."), (None, None)):
+        state = {"boot_id": saved, "plan": PlanState().to_json()}
+        (state_dir / "state.json").write_bytes(STATE.encode(STATE.envelope(state)))
+        daemon = Daemon(policy, config_path=str(tmp_path / "none.yaml"))
+        with capture_logs() as logs:
+            daemon._load_state()
+        (event,) = [e for e in logs if e["event"] == EventName.STATE_NEW_BOOT]
+        assert event["saved_boot_id"] == shown

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from structlog.testing import capture_logs
 
 from gpuwatchd.act.reset_target import Commands, ResetTarget, progress_record
 from gpuwatchd.cli.run import run_daemon
+from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.config.files import policy_files_key
 from gpuwatchd.config.schema import default_policy
 from gpuwatchd.core.model import (
@@ -691,3 +694,34 @@ def test_a_hostile_saved_boot_id_is_shown_cut_in_the_new_boot_event(tmp_path: Pa
             daemon._load_state()
         (event,) = [e for e in logs if e["event"] == EventName.STATE_NEW_BOOT]
         assert event["saved_boot_id"] == shown
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["the-daemon", "its-pid-reused"])
+def test_reload_signals_the_lock_holder_only_while_its_pid_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, same: bool
+) -> None:
+    """`gpuwatchd reload` found the daemon as the lock's holder, then sent SIGHUP to its PID:
+    a daemon that exited in between left a PID another process may take, and SIGHUP ends
+    most. It is sent through a pidfd now, to the process judged (its start time) or none."""
+    from gpuwatchd.cli import reload
+
+    (tmp_path / "state").mkdir(mode=0o700)
+    policy = dataclasses.replace(default_policy(), state_dir=str(tmp_path / "state"))
+    child = subprocess.Popen(["sleep", "1000"])
+    try:
+        judged = ProcFS().read_process(child.pid)
+        assert judged is not None
+        assert judged.start_ticks is not None
+        if not same:
+            judged = dataclasses.replace(judged, start_ticks=judged.start_ticks - 1)
+        monkeypatch.setattr(reload, "lock_holder", lambda *_: (judged, ""))
+        code = reload.reload_command(policy, "gpuwatchd.yaml")
+        if same:
+            assert (code, child.wait(5)) == (ExitCode.OK, -signal.SIGHUP)
+        else:
+            assert code == reload.NOT_RUNNING
+            with pytest.raises(subprocess.TimeoutExpired):
+                child.wait(0.3)  # not signalled
+    finally:
+        child.kill()
+        child.wait()

@@ -450,7 +450,9 @@ class Daemon:
 
     def _do_reload(self) -> None:
         self._reload = False
-        self.notifier.notify(f"RELOADING=1\nMONOTONIC_USEC={int(time.monotonic() * 1e6)}")
+        ready = self._ready_sent  # else the start's own READY=1, after the first poll, is due
+        if ready:
+            self.notifier.notify(f"RELOADING=1\nMONOTONIC_USEC={int(time.monotonic() * 1e6)}")
         self._files_key = policy_files_key(self.config_path)  # before reading them
         try:
             new = self._fed(lambda: load_policy(self.config_path))
@@ -490,7 +492,8 @@ class Daemon:
                 # The rejection (at start: the fallback ran) this reload ends, if any.
                 rejection_ended=None if ended is None else str(ended.get("error") or "?"),
             )
-        self.notifier.notify("READY=1")
+        if ready:
+            self.notifier.notify("READY=1")
 
     def _save_accepted(self, policy: Policy) -> None:
         """Keep ``policy`` as the last accepted one (the fallback at a rejected start), when it

@@ -725,3 +725,31 @@ def test_reload_signals_the_lock_holder_only_while_its_pid_names_it(
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_reload_asked_before_the_first_poll_completes_sends_no_ready(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """systemd takes READY=1 as the end of the start (`systemctl start` returns when the daemon
+    is really watching): a SIGHUP during the start (a reset resumed, say) made the reload say
+    RELOADING=1 and READY=1 before the first poll. It reloads as before, silently."""
+    daemon, _ = _daemon_with_config(tmp_path, "dry_run: true\n")
+    (tmp_path / "state").mkdir(mode=0o700)
+    daemon.notifier = recorder = _Recorder()
+    before_the_poll: list[str] = []
+
+    def first_poll() -> None:
+        before_the_poll.extend(recorder.sent)
+        daemon._stop = True
+
+    monkeypatch.setattr(
+        daemon.engine, "resume_interrupted_reset", lambda pause: setattr(daemon, "_reload", True)
+    )
+    monkeypatch.setattr(daemon, "poll_once", first_poll)
+    monkeypatch.setattr(daemon, "_install_signal_handlers", lambda: None)
+    monkeypatch.setattr(daemon, "_wait", lambda: None)
+    with capture_logs() as logs:
+        daemon.run()
+    assert EventName.CONFIG_RELOADED in [e["event"] for e in logs]
+    assert not [m for m in before_the_poll if m.startswith(("READY=", "RELOADING="))]
+    assert "READY=1" in recorder.sent

@@ -20,11 +20,11 @@ NOT_RUNNING = 3
 
 def reload_command(policy: Policy, config_path: str) -> int:
     """Send SIGHUP to the running daemon; the policy (``config_path``) is already checked."""
-    where = policy.state_dir
+    where, procfs = policy.state_dir, ProcFS(policy.proc_root)
     try:
         with StateDir.open(where) as state_dir:
             # The daemon this command may signal: one of its effective uid.
-            daemon, why = lock_holder(state_dir, ProcFS(policy.proc_root), {os.geteuid()})
+            daemon, why = lock_holder(state_dir, procfs, {os.geteuid()})
     except FileNotFoundError:
         daemon, why = None, f"no state folder {where}: is gpuwatchd running?"
     except PermissionError:
@@ -36,7 +36,14 @@ def reload_command(policy: Policy, config_path: str) -> int:
         return NOT_RUNNING
     pid = daemon.pid
     try:
-        os.kill(pid, signal.SIGHUP)
+        pidfd = os.pidfd_open(pid)
+        try:  # the PID may name another process by now: only the one judged is signalled
+            now = procfs.read_stat(pid)
+            if now is None or now.starttime != daemon.start_ticks:
+                raise ProcessLookupError
+            signal.pidfd_send_signal(pidfd, signal.SIGHUP)
+        finally:
+            os.close(pidfd)
     except ProcessLookupError:
         print(f"gpuwatchd: the daemon (pid {pid}) has just exited", file=sys.stderr)
         return NOT_RUNNING
@@ -45,6 +52,12 @@ def reload_command(policy: Policy, config_path: str) -> int:
             f"gpuwatchd: not allowed to signal the daemon (pid {pid}): run as root", file=sys.stderr
         )
         return ExitCode.NOPERM
+    except OSError as exc:  # no pidfd (Linux < 5.3): never a bare PID's kill, the reuse race
+        print(
+            f"gpuwatchd: cannot signal the daemon (pid {pid}): {exc.strerror or exc}",
+            file=sys.stderr,
+        )
+        return ExitCode.UNAVAILABLE
     print(
         f"gpuwatchd: {config_path} is valid; asked the daemon (pid {pid}) to reload it "
         "(`gpuwatchd status` and the log say when it has)",

@@ -55,7 +55,7 @@ from gpuwatchd.decide.verdict import (
 from gpuwatchd.engine.cycle import Engine, EngineState
 from gpuwatchd.engine.edges import Pause, PollInputs, PollReport, Standing
 from gpuwatchd.events.catalogue import hook_outcome
-from gpuwatchd.events.words import JournalNamer, finding_label
+from gpuwatchd.events.words import JournalNamer, finding_label, short
 from gpuwatchd.served.guard import ServedPoll, early_poll_at
 from gpuwatchd.served.scan_socket import ScanAnswer, ScanRequest
 from gpuwatchd.state.accepted import render_accepted, save_accepted
@@ -241,12 +241,14 @@ class Daemon:
                 # never restarted): exit 1 with the traceback, and systemd restarts it.
                 raise RuntimeError(f"the poll loop failed: {_os_error(exc)}") from exc
         finally:
+            # The host first: a scan beside the daemon knows its NVML worker only as a child
+            # of the lock's holder (cli/scan.py), so the worker ends while the lock is held.
+            self._serving.close()
+            self.host.close()
             try:
                 held.close()  # the loop has ended: a failed unlock does not change its answer
             except OSError as exc:
                 log.critical(EventName.STATE_DIR_UNUSABLE, path=state_dir, error=_os_error(exc))
-            self._serving.close()
-            self.host.close()
             self.store.close()
 
     def _start_device_watch(self) -> None:
@@ -279,7 +281,7 @@ class Daemon:
             interval=self.policy.interval,
         )
         self._start_device_watch()
-        self.engine.resume_interrupted_reset(self._read_pause())
+        self._fed(lambda: self.engine.resume_interrupted_reset(self._read_pause()))
         started = self.clock()
         watched: frozenset[str] | None = None
         code = ExitCode.OK
@@ -448,7 +450,9 @@ class Daemon:
 
     def _do_reload(self) -> None:
         self._reload = False
-        self.notifier.notify(f"RELOADING=1\nMONOTONIC_USEC={int(time.monotonic() * 1e6)}")
+        ready = self._ready_sent  # else the start's own READY=1, after the first poll, is due
+        if ready:
+            self.notifier.notify(f"RELOADING=1\nMONOTONIC_USEC={int(time.monotonic() * 1e6)}")
         self._files_key = policy_files_key(self.config_path)  # before reading them
         try:
             new = self._fed(lambda: load_policy(self.config_path))
@@ -488,7 +492,8 @@ class Daemon:
                 # The rejection (at start: the fallback ran) this reload ends, if any.
                 rejection_ended=None if ended is None else str(ended.get("error") or "?"),
             )
-        self.notifier.notify("READY=1")
+        if ready:
+            self.notifier.notify("READY=1")
 
     def _save_accepted(self, policy: Policy) -> None:
         """Keep ``policy`` as the last accepted one (the fallback at a rejected start), when it
@@ -595,8 +600,9 @@ class Daemon:
         )
 
     def _fed(self, work: Callable[[], T]) -> T:
-        """Run slow work (a reset, hooks, reading a policy) with the watchdog fed meanwhile."""
-        return keep_watchdog_fed(self.notifier, work)
+        """Run slow work (a reset, hooks, reading a policy) with the watchdog fed meanwhile, and
+        before READY=1 the unit's start timeout extended."""
+        return keep_watchdog_fed(self.notifier, work, starting=not self._ready_sent)
 
     def _wait(self) -> None:
         """Sleep until the next poll or deadline, waking at once for exits and signals."""
@@ -712,10 +718,10 @@ class Daemon:
             except ValueError as exc:
                 log.error(EventName.STATE_INVALID, error=str(exc), path=self.policy.state_dir)
                 lost = self.store.discard_corrupt(str(exc))
-            if rebooted:
-                log.info(
-                    EventName.STATE_NEW_BOOT, saved_boot_id=data.get("boot_id"), boot_id=boot_id
-                )
+            if rebooted:  # the saved id is the file's: any value, as large as the file
+                saved = data.get("boot_id")
+                shown = None if saved is None else short(saved)
+                log.info(EventName.STATE_NEW_BOOT, saved_boot_id=shown, boot_id=boot_id)
         if lost is not None:
             why = f"{UNREADABLE} ({lost}): what it held is unknown"
             latched = PlanState(

@@ -531,6 +531,8 @@ class Metrics:
         that node_exporter does not go on serving its stale samples (as the package removes
         it: :func:`remove_textfile`)."""
         old = self._written
+        if path != self.textfile:  # a failure there is news, even in the old one's words
+            self._last_error = None
         self.textfile = path
         if old is not None and old != path:
             remove_textfile(old)

@@ -16,9 +16,11 @@ from typing import Any, TypeVar
 from gpuwatchd.core.checked import decimal
 from gpuwatchd.decide.verdict import UNREADABLE
 from gpuwatchd.engine.edges import PollReport
+from gpuwatchd.events.words import short
 
 T = TypeVar("T")
 FEED_EVERY = 1.0  # seconds between watchdog pings while slow work runs
+START_EXTENSION = 60.0  # seconds each ping of slow work before READY=1 adds to the start timeout
 
 
 class Notifier:
@@ -33,7 +35,10 @@ class Notifier:
 
     def notify(self, message: str) -> None:
         if self._notifier is not None:
-            self._notifier.notify(message)
+            # sdnotify sends the text as Latin-1 and drops it whole on any character past it;
+            # systemd reads UTF-8: the UTF-8 bytes are handed over as the Latin-1 they spell
+            # (a lone surrogate, from a file name that is not UTF-8, as its escape).
+            self._notifier.notify(message.encode(errors="backslashreplace").decode("latin-1"))
 
 
 def watchdog_slice() -> float:
@@ -68,14 +73,22 @@ class WatchdogPinger:
             self.ping()
 
 
-def keep_watchdog_fed(notifier: Notifier, work: Callable[[], T], every: float = FEED_EVERY) -> T:
+def keep_watchdog_fed(
+    notifier: Notifier, work: Callable[[], T], every: float = FEED_EVERY, *, starting: bool = False
+) -> T:
     """Run slow work (a reset, hooks) right here, on the loop's own thread, while a helper
-    thread only feeds the watchdog: the work calls back into nothing from another thread."""
+    thread only feeds the watchdog: the work calls back into nothing from another thread.
+    ``starting``: before READY=1, when the unit's start timeout runs (a reset resumed at start
+    or begun by the first poll outlasts it): each ping, and the last, extends it by
+    :data:`START_EXTENSION`, time for the rest of the first poll."""
+    ping = (
+        f"WATCHDOG=1\nEXTEND_TIMEOUT_USEC={START_EXTENSION * 1e6:.0f}" if starting else "WATCHDOG=1"
+    )
     done = threading.Event()
 
     def feed() -> None:
         while not done.wait(every):
-            notifier.notify("WATCHDOG=1")
+            notifier.notify(ping)
 
     feeder = threading.Thread(target=feed, name="gpuwatchd-watchdog", daemon=True)
     feeder.start()
@@ -84,14 +97,14 @@ def keep_watchdog_fed(notifier: Notifier, work: Callable[[], T], every: float = 
     finally:
         done.set()
         feeder.join()
-        notifier.notify("WATCHDOG=1")
+        notifier.notify(ping)
 
 
 def describe_status(report: PollReport, dry_run: bool) -> str:
     """The one-line ``systemctl status`` text, from one poll's report."""
     reading, state, verdict = report.snapshot.nvml, report.plan, report.verdict
-    if not reading.available:
-        return f"NVML unavailable: {reading.error or 'unknown error'} (retrying)"
+    if not reading.available:  # the error is the worker's text: escaped, cut, one line
+        return f"NVML unavailable: {short(reading.error or 'unknown error')} (retrying)"
     parts = [f"{_counted(len(reading.gpus), 'GPU')} watched"]
     if reading.wedged:
         parts.insert(0, "driver wedged")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from structlog.testing import capture_logs
 
 from gpuwatchd.act.reset_target import Commands, ResetTarget, progress_record
 from gpuwatchd.cli.run import run_daemon
+from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.config.files import policy_files_key
 from gpuwatchd.config.schema import default_policy
 from gpuwatchd.core.model import (
@@ -152,6 +155,19 @@ def test_status_counts_findings() -> None:
     reading = NvmlReading(available=True, gpus=GPUS[:1])
     report = PollReport(snapshot(reading), assessment(3), PlanState())
     assert "3 findings" in describe_status(report, True)
+
+
+def test_an_nvml_error_in_the_status_line_is_one_short_line_of_text() -> None:
+    """The error is the NVML worker's text (a reply up to 64 MiB): a newline in it would be a
+    notification of its own to systemd (WATCHDOG=trigger restarts the daemon), and a datagram
+    that large is dropped whole, its WATCHDOG=1 with it."""
+    error = "no lib\nWATCHDOG=trigger\n" + "x" * 1_000_000
+    report = PollReport(snapshot(NvmlReading(False, error=error)), assessment(), PlanState())
+    status = describe_status(report, False)
+    assert status.startswith("NVML unavailable: no lib\\nWATCHDOG=trigger\\nxxx")
+    assert status.endswith("... (retrying)")
+    assert "\n" not in status
+    assert len(status) < 200
 
 
 def proc(pid: int, comm: str) -> ProcessInfo:
@@ -611,3 +627,129 @@ def test_a_state_saved_with_no_boot_id_is_another_boots_and_its_xids_are_forgott
         daemon._load_state()
         assert daemon.engine.state.assess.health == (history if boot else HealthState())
         assert daemon.save_state()
+
+
+def test_slow_work_before_ready_extends_the_units_start_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """READY=1 comes after the first completed poll, and systemd ends a start that outlasts
+    TimeoutStartSec=2min: a reset resumed at start, or begun by the first poll (reset.timeout
+    and each hook up to 10 min), was killed half done and resumed again at each restart, its
+    hooks run again, until the start limit left the node unwatched. Slow work before READY=1
+    now extends the start timeout as it runs; after it, it only feeds the watchdog."""
+    daemon, _ = _daemon_with_config(tmp_path, "dry_run: true\n")
+    (tmp_path / "state").mkdir(mode=0o700)
+    daemon.notifier = recorder = _Recorder()
+    extend = "WATCHDOG=1\nEXTEND_TIMEOUT_USEC=60000000"
+
+    def first_poll() -> None:
+        daemon._fed(lambda: None)  # a reset the first poll runs
+        daemon._stop = True
+
+    monkeypatch.setattr(daemon.engine, "resume_interrupted_reset", lambda pause: None)
+    monkeypatch.setattr(daemon, "poll_once", first_poll)
+    monkeypatch.setattr(daemon, "_install_signal_handlers", lambda: None)
+    monkeypatch.setattr(daemon, "_wait", lambda: None)
+    daemon.run()
+    assert recorder.sent[:3] == [extend, extend, "READY=1"]  # the resume's, the poll's
+    daemon._fed(lambda: None)
+    assert recorder.sent[-1] == "WATCHDOG=1"
+
+
+def test_the_nvml_worker_is_stopped_before_the_lock_is_released(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scan or check-clean beside the daemon knows its NVML worker only as a child of the
+    lock's holder: with the lock released first, a prolog's check-clean in between saw the
+    stopping daemon's worker as a holder of every GPU it had open (not clean)."""
+    daemon, _ = _daemon_with_config(tmp_path, "dry_run: true\n")
+    (tmp_path / "state").mkdir(mode=0o700)
+    holders: list[int | None] = []
+    stop = daemon.nvml.stop
+
+    def stop_worker() -> bool:
+        holders.append(daemon.store.directory().lock_holder())
+        return stop()
+
+    monkeypatch.setattr(daemon.nvml, "stop", stop_worker)
+    monkeypatch.setattr(daemon, "poll_once", lambda: setattr(daemon, "_stop", True))
+    monkeypatch.setattr(daemon, "_install_signal_handlers", lambda: None)
+    monkeypatch.setattr(daemon, "_wait", lambda: None)
+    assert daemon.run() == ExitCode.OK
+    assert holders == [os.getpid()]
+
+
+def test_a_hostile_saved_boot_id_is_shown_cut_in_the_new_boot_event(tmp_path: Path) -> None:
+    """The saved boot id is the state file's (as large as the file, any JSON value): the
+    ``state.new_boot`` event showed it whole; it shows it as event values are, escaped and
+    cut (none stays none)."""
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    policy = dataclasses.replace(default_policy(), state_dir=str(state_dir))
+    for saved, shown in (("b\n" + "x" * 1_000_000, "b\\n" + "x" * 154 + "..."), (None, None)):
+        state = {"boot_id": saved, "plan": PlanState().to_json()}
+        (state_dir / "state.json").write_bytes(STATE.encode(STATE.envelope(state)))
+        daemon = Daemon(policy, config_path=str(tmp_path / "none.yaml"))
+        with capture_logs() as logs:
+            daemon._load_state()
+        (event,) = [e for e in logs if e["event"] == EventName.STATE_NEW_BOOT]
+        assert event["saved_boot_id"] == shown
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["the-daemon", "its-pid-reused"])
+def test_reload_signals_the_lock_holder_only_while_its_pid_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, same: bool
+) -> None:
+    """`gpuwatchd reload` found the daemon as the lock's holder, then sent SIGHUP to its PID:
+    a daemon that exited in between left a PID another process may take, and SIGHUP ends
+    most. It is sent through a pidfd now, to the process judged (its start time) or none."""
+    from gpuwatchd.cli import reload
+
+    (tmp_path / "state").mkdir(mode=0o700)
+    policy = dataclasses.replace(default_policy(), state_dir=str(tmp_path / "state"))
+    child = subprocess.Popen(["sleep", "1000"])
+    try:
+        judged = ProcFS().read_process(child.pid)
+        assert judged is not None
+        assert judged.start_ticks is not None
+        if not same:
+            judged = dataclasses.replace(judged, start_ticks=judged.start_ticks - 1)
+        monkeypatch.setattr(reload, "lock_holder", lambda *_: (judged, ""))
+        code = reload.reload_command(policy, "gpuwatchd.yaml")
+        if same:
+            assert (code, child.wait(5)) == (ExitCode.OK, -signal.SIGHUP)
+        else:
+            assert code == reload.NOT_RUNNING
+            with pytest.raises(subprocess.TimeoutExpired):
+                child.wait(0.3)  # not signalled
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_reload_asked_before_the_first_poll_completes_sends_no_ready(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """systemd takes READY=1 as the end of the start (`systemctl start` returns when the daemon
+    is really watching): a SIGHUP during the start (a reset resumed, say) made the reload say
+    RELOADING=1 and READY=1 before the first poll. It reloads as before, silently."""
+    daemon, _ = _daemon_with_config(tmp_path, "dry_run: true\n")
+    (tmp_path / "state").mkdir(mode=0o700)
+    daemon.notifier = recorder = _Recorder()
+    before_the_poll: list[str] = []
+
+    def first_poll() -> None:
+        before_the_poll.extend(recorder.sent)
+        daemon._stop = True
+
+    monkeypatch.setattr(
+        daemon.engine, "resume_interrupted_reset", lambda pause: setattr(daemon, "_reload", True)
+    )
+    monkeypatch.setattr(daemon, "poll_once", first_poll)
+    monkeypatch.setattr(daemon, "_install_signal_handlers", lambda: None)
+    monkeypatch.setattr(daemon, "_wait", lambda: None)
+    with capture_logs() as logs:
+        daemon.run()
+    assert EventName.CONFIG_RELOADED in [e["event"] for e in logs]
+    assert not [m for m in before_the_poll if m.startswith(("READY=", "RELOADING="))]
+    assert "READY=1" in recorder.sent

@@ -250,6 +250,25 @@ def test_changing_the_path_removes_the_file_written_before(tmp_path: Path) -> No
     assert not second.exists()
 
 
+def test_a_new_path_that_fails_as_the_old_one_did_is_said_naming_it(tmp_path: Path) -> None:
+    """A failure is said once until a write succeeds: after a reload changed the path, the new
+    path's failure was unsaid when its error read as the old one's, and the journal named only
+    the file no longer written."""
+    first, second = tmp_path / "a" / "gpuwatchd.prom", tmp_path / "b" / "gpuwatchd.prom"
+    first.mkdir(parents=True)
+    second.mkdir(parents=True)
+    metrics = Metrics(str(first))
+    with structlog.testing.capture_logs() as logs:
+        poll(metrics, host())
+        metrics.set_textfile(str(second))
+        poll(metrics, host())
+        poll(metrics, host())
+    assert [(e["path"], e["error"]) for e in logs] == [
+        (str(first), "Is a directory"),
+        (str(second), "Is a directory"),
+    ]
+
+
 def test_changing_the_path_removes_only_the_file_written_before_never_through_a_link(
     tmp_path: Path,
 ) -> None:

@@ -3,8 +3,10 @@ thread while a helper thread only feeds the watchdog."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -91,3 +93,21 @@ def test_the_pinger_feeds_at_most_once_per_period_and_never_from_a_forked_child(
     now[0] += 5
     pinger()
     assert len(pings) == 3
+
+
+def test_a_notification_reaches_systemd_as_utf_8_whatever_its_text(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """systemd reads a notification as UTF-8; sdnotify encodes as Latin-1, and a character
+    past it (in an NVML error, a policy path) dropped the whole message unsaid, the STATUS
+    line and its WATCHDOG=1 with it; a file name that is not UTF-8 is sent escaped."""
+    path = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as systemd:
+        systemd.bind(path)
+        systemd.settimeout(5)
+        monkeypatch.setenv("NOTIFY_SOCKET", path)
+        message = "STATUS=NVML unavailable: café → 故障 (retrying)\nWATCHDOG=1"
+        Notifier().notify(message)
+        assert systemd.recv(4096) == message.encode()
+        Notifier().notify("STATUS=policy rejected, running the previous one (/etc/\udcff.yaml)")
+        assert systemd.recv(4096).endswith(b"(/etc/\\udcff.yaml)")

@@ -384,15 +384,16 @@ class ProcFS:
 
 
 def _read_ids(base: str) -> tuple[int | None, tuple[int, ...] | None, bool]:
-    """The effective uid and ``NSpid`` from ``status`` (None each when unreadable; a uid
-    read before a malformed ``NSpid`` stands), and whether it read as gone."""
+    """The real uid and ``NSpid`` from ``status`` (None each when unreadable; a uid read
+    before a malformed ``NSpid`` stands), and whether it read as gone. The real uid: a user
+    running root's set-user-ID program (``passwd``) has the effective uid 0, not root's word."""
     uid: int | None = None
     nspid: tuple[int, ...] | None = None
     vanished = False
     try:
         status = _read_text(f"{base}/status")
         ids = _status_field(status, "Uid")
-        uid = int(ids[1]) if len(ids) > 1 else None  # the effective uid, as ps shows
+        uid = int(ids[0]) if ids else None
         nspid = tuple(int(n) for n in _status_field(status, "NSpid")) or None
     except ValueError:
         pass

@@ -19,7 +19,7 @@ from typing import Literal, Protocol
 from gpuwatchd.collect import spread
 from gpuwatchd.collect.kcmp import Kcmp
 from gpuwatchd.collect.mig import CAPABILITIES_DIR, match_cap_file
-from gpuwatchd.collect.statfiles import GONE_ERRNOS, read_proc_file
+from gpuwatchd.collect.statfiles import GONE_ERRNOS, read_proc_file, stat_cached
 from gpuwatchd.core.model import DeviceHolding, HolderScan, MigCapability
 from gpuwatchd.core.procstat import StatFields
 
@@ -228,7 +228,7 @@ class DeviceFiles:
     ) -> tuple[_Match | None, bool]:
         """(what a mapped file is, whether that was proven by device number)."""
         with contextlib.suppress(OSError):
-            return self.match_rdev(os.stat(f"{base}/map_files/{address}")), True
+            return self.match_rdev(stat_cached(f"{base}/map_files/{address}")), True
         if not path.endswith(" (deleted)"):
             with contextlib.suppress(OSError):
                 st = os.stat(f"{base}/root{path}")
@@ -345,7 +345,7 @@ class HolderScanner:
                     continue
                 else:
                     try:
-                        what = devices.match_rdev(os.stat(name, dir_fd=dfd))
+                        what = devices.match_rdev(stat_cached(name, dir_fd=dfd))
                     except FileNotFoundError:
                         continue
                     except OSError as err:

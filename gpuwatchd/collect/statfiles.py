@@ -29,13 +29,15 @@ _STATX = struct.Struct("<8xQI2IH2xQ")  # attributes..mode, then ino; rdev and de
 _statx = getattr(ctypes.CDLL(None, use_errno=True), "statx", None)
 
 
-def read_proc_file(path: str) -> bytes:
-    """The whole file, read in chunks (``/proc`` files report size 0, so no single read)."""
+def read_proc_file(path: str, limit: int | None = None) -> bytes:
+    """The whole file (its first ``limit`` bytes), read in chunks (``/proc`` files report size
+    0, so no single read)."""
     fd = os.open(path, _FLAGS)
     try:
-        chunks = []
-        while chunk := os.read(fd, 65536):
+        chunks, size = [], 0
+        while chunk := os.read(fd, 65536 if limit is None else min(65536, limit - size)):
             chunks.append(chunk)
+            size += len(chunk)
     finally:
         os.close(fd)
     return b"".join(chunks)

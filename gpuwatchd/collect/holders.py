@@ -19,7 +19,7 @@ from typing import Literal, Protocol
 from gpuwatchd.collect import spread
 from gpuwatchd.collect.kcmp import Kcmp
 from gpuwatchd.collect.mig import CAPABILITIES_DIR, match_cap_file
-from gpuwatchd.collect.statfiles import GONE_ERRNOS, read_proc_file, stat_cached
+from gpuwatchd.collect.statfiles import GONE_ERRNOS, read_proc_blocks, stat_cached
 from gpuwatchd.core.model import DeviceHolding, HolderScan, MigCapability
 from gpuwatchd.core.procstat import StatFields
 
@@ -372,40 +372,46 @@ class HolderScanner:
         return kept, targets
 
     def _scan_maps(self, base: str, found: _Found, by_inode: _ByInode) -> bool:
-        """Add what the mappings of the process at ``base`` hold; False when it has none."""
+        """Add what the mappings of the process at ``base`` hold, read a block at a time (any
+        user can make them hundreds of megabytes); False when it has none."""
+        markers = self.devices.map_markers
+        mapped = False
         try:
-            data = read_proc_file(f"{base}/maps")
+            for data in read_proc_blocks(f"{base}/maps"):
+                mapped = True
+                if any(map(data.__contains__, markers)):
+                    for line in lines_containing(data, markers):
+                        self._add_mapping(base, line, found, by_inode)
         except OSError as err:
             raise _classify_error(err) from None
+        return mapped
+
+    def _add_mapping(self, base: str, line: bytes, found: _Found, by_inode: _ByInode) -> None:
+        """Add what one maps line of the process at ``base`` holds, if anything."""
         devices = self.devices
-        markers = devices.map_markers
-        if not any(map(data.__contains__, markers)):
-            return bool(data)
-        for line in lines_containing(data, markers):
-            fields = line.split(None, 5)
-            if len(fields) < 6 or fields[4] == b"0":
-                continue
-            address, _, _, device, inode, raw_path = fields
-            path = os.fsdecode(raw_path)
-            if devices.match_by_path:
-                if (what := devices.match_path(path)) is not None:
-                    found.add(*what, via_map=True)
-                continue
-            # /dev/shm is a nodev tmpfs: a path we skip, not a temporary file we create.
-            if path.startswith("/dev/shm/") or path == "/dev/zero (deleted)":  # noqa: S108
-                continue
-            key = (device, inode)
-            if key in by_inode:
-                what = by_inode[key]
-            else:
-                what, certain = devices.identify_mapping(base, os.fsdecode(address), path, inode)
-                if certain:
-                    by_inode[key] = what
-                elif what is not None:
-                    found.by_name = True
-            if what is not None:
+        fields = line.split(None, 5)
+        if len(fields) < 6 or fields[4] == b"0":
+            return
+        address, _, _, device, inode, raw_path = fields
+        path = os.fsdecode(raw_path)
+        if devices.match_by_path:
+            if (what := devices.match_path(path)) is not None:
                 found.add(*what, via_map=True)
-        return True
+            return
+        # /dev/shm is a nodev tmpfs: a path we skip, not a temporary file we create.
+        if path.startswith("/dev/shm/") or path == "/dev/zero (deleted)":  # noqa: S108
+            return
+        key = (device, inode)
+        if key in by_inode:
+            what = by_inode[key]
+        else:
+            what, certain = devices.identify_mapping(base, os.fsdecode(address), path, inode)
+            if certain:
+                by_inode[key] = what
+            elif what is not None:
+                found.by_name = True
+        if what is not None:
+            found.add(*what, via_map=True)
 
     def _scan_process(self, pid: int, by_inode: _ByInode) -> tuple[_Found | None, bool]:
         """(what ``pid`` holds, whether part of it was unreadable); (None, False) when gone."""

@@ -14,7 +14,7 @@ import ctypes
 import errno
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from gpuwatchd.core.procstat import StatFields, parse_stat
 
@@ -41,6 +41,22 @@ def read_proc_file(path: str, limit: int | None = None) -> bytes:
     finally:
         os.close(fd)
     return b"".join(chunks)
+
+
+def read_proc_blocks(path: str) -> Iterator[bytes]:
+    """The file a block of whole ``\n``-separated lines at a time, for one too large to hold:
+    the maps of a process with 65,530 mappings of a 4 KiB path are 270 MB."""
+    fd = os.open(path, _FLAGS)
+    try:
+        rest = b""
+        while chunk := os.read(fd, 65536):
+            block, newline, rest = (rest + chunk).rpartition(b"\n")
+            if newline:
+                yield block
+        if rest:
+            yield rest
+    finally:
+        os.close(fd)
 
 
 def is_procfs(path: str) -> bool:

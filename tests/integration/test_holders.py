@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,29 @@ def test_path_mode_finds_fd_and_map_holders(fake: FakeProc, devices: Path) -> No
     assert scan.holdings[702].ctl
     assert not scan.holdings[702].uvm
     assert scan.unreadable == frozenset()
+
+
+def test_a_maps_file_of_hundreds_of_megabytes_is_read_a_block_at_a_time(
+    fake: FakeProc, devices: Path
+) -> None:
+    """Any user can map one file 65,530 times (``vm.max_map_count``) under a 4 KiB path: a maps
+    file of 270 MB, read whole twice over (the chunks, then their join) by a walk, past the
+    unit's MemoryMax. Read a block at a time, a walk still finds every device line in it."""
+    fake.add(720)
+    hostile = f"/home/u/{'d' * 200}/" * 19 + "f"
+    lines = [f"{a:x}-{a + 0x1000:x} r--s 00000000 08:01 99 {hostile}\n" for a in range(16_000)]
+    for at, name in ((0, "nvidia0"), (7_777, "nvidia1"), (15_999, "nvidiactl")):
+        lines[at] = f"{at:x}-{at + 0x1000:x} rw-s 00000000 00:05 123 {devices}/{name}\n"
+    (fake.root / "720" / "maps").write_text("".join(lines))
+    tracemalloc.start()
+    try:
+        scan = scanner(str(fake.root), devices_dir=str(devices)).scan([720])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"{peak >> 20} MiB held for a {len(lines) * len(hostile) >> 20} MiB file"
+    assert scan.holdings[720].gpu_minors_map == {0, 1}
+    assert scan.holdings[720].ctl
 
 
 def test_targeted_scan_looks_at_exactly_the_given_pids(fake: FakeProc, devices: Path) -> None:

@@ -9,6 +9,7 @@ In detail: docs/internals.md, section `gpuwatchd.collect.holders`.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import stat
@@ -27,6 +28,7 @@ NVIDIA_MAJOR = 195
 NVIDIACTL_MINOR = 255
 MAX_GPU_MINOR = 247  # 248-253 unused, 254 nvidia-modeset, 255 nvidiactl
 THREAD_TABLE_BUDGET = 65_536  # fd entries of one process's threads' own tables (docs/internals.md)
+FD_BATCH = 1024  # fds whose link texts (4 KiB at most) one scan holds at once
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _DEVICE_NAME = re.compile(r"nvidia(\d+)|nvidiactl|nvidia-uvm|(?:nvidia-caps/)?nvidia-cap(\d+)")
@@ -251,6 +253,7 @@ class HolderScanner:
         self.min_slice = spread.MIN_SLICE
         self._kcmp: Kcmp | None = None  # made on first use (in each forked scan worker)
         self.thread_table_budget = THREAD_TABLE_BUDGET
+        self.fd_batch = FD_BATCH
         # Called after each process scanned here, never in a forked worker (the daemon's watchdog)
         self.progress: Callable[[], None] | None = None
         self._every_fd = False  # a full scan's: every fd a device, not one per link text
@@ -307,54 +310,61 @@ class HolderScanner:
         return rows
 
     def _scan_fds(self, fd_dir: str, found: _Found) -> int:
-        """Add what the fds in ``fd_dir`` hold; how many fds the table had (0: empty)."""
-        readlink, devices = os.readlink, self.devices
+        """Add what the fds in ``fd_dir`` hold, :attr:`fd_batch` at a time (a table may have a
+        million fds, each a 4 KiB link text); how many fds the table had (0: empty)."""
         try:
             dfd = os.open(fd_dir, _DIR_FLAGS)
         except OSError as err:
             raise _classify_error(err) from None
+        count = 0
         try:
-            try:
-                names = os.listdir(dfd)
-            except OSError as err:
-                raise _classify_error(err) from None
-            try:
-                # All the fds at once; the careful loop only when an fd misbehaves.
-                targets = [readlink(name, dir_fd=dfd) for name in names]
-            except OSError as err:
-                if err.errno not in GONE_ERRNOS or not os.path.exists(f"{fd_dir}/."):
-                    raise _classify_error(err) from None
-                names, targets = self._readlinks_carefully(dfd, names)
-            if not self.devices.may_hold(targets):
-                return len(names)
-            for target in set(targets):
-                if "/capabilities/" in target:
-                    cap = match_cap_file(target, devices.capabilities_dir)
-                    if cap is not None:
-                        found.cap_files.add((cap.gpu_minor, cap.gi, cap.ci))
-            # A link is the path as this reader resolves it: files of two mount namespaces
-            # (a host's and a container's /dev/nvidia0) can read the same. A full scan (the
-            # reset's final one) looks at each fd in device-number mode; a targeted scan, every
-            # poll, at one fd per text (a CUDA process holds dozens of a few texts).
-            fds = zip(targets, names, strict=True)
-            every_fd = self._every_fd and not devices.match_by_path
-            for target, name in fds if every_fd else dict(fds).items():
-                if devices.match_by_path:
-                    what = devices.match_path(target)
-                elif target[:1] != "/" or ("/dev/" not in target and "nvidia" not in target):
-                    continue
-                else:
-                    try:
-                        what = devices.match_rdev(stat_cached(name, dir_fd=dfd))
-                    except FileNotFoundError:
-                        continue
-                    except OSError as err:
-                        raise _classify_error(err) from None
-                if what is not None:
-                    found.add(*what, via_map=False)
-            return len(names)
+            with os.scandir(dfd) as entries:
+                while names := [entry.name for entry in itertools.islice(entries, self.fd_batch)]:
+                    count += self._scan_fd_batch(fd_dir, dfd, names, found)
+        except OSError as err:
+            raise _classify_error(err) from None
         finally:
             os.close(dfd)
+        return count
+
+    def _scan_fd_batch(self, fd_dir: str, dfd: int, names: list[str], found: _Found) -> int:
+        """Add what the fds ``names`` of ``fd_dir`` (open as ``dfd``) hold; how many are open."""
+        readlink, devices = os.readlink, self.devices
+        try:
+            # All the fds at once; the careful loop only when an fd misbehaves.
+            targets = [readlink(name, dir_fd=dfd) for name in names]
+        except OSError as err:
+            if err.errno not in GONE_ERRNOS or not os.path.exists(f"{fd_dir}/."):
+                raise _classify_error(err) from None
+            names, targets = self._readlinks_carefully(dfd, names)
+        if not devices.may_hold(targets):
+            return len(names)
+        for target in set(targets):
+            if "/capabilities/" in target:
+                cap = match_cap_file(target, devices.capabilities_dir)
+                if cap is not None:
+                    found.cap_files.add((cap.gpu_minor, cap.gi, cap.ci))
+        # A link is the path as this reader resolves it: files of two mount namespaces (a
+        # host's and a container's /dev/nvidia0) can read the same. A full scan (the reset's
+        # final one) looks at each fd in device-number mode; a targeted scan, every poll, at
+        # one fd per text (a CUDA process holds dozens of a few texts).
+        fds = zip(targets, names, strict=True)
+        every_fd = self._every_fd and not devices.match_by_path
+        for target, name in fds if every_fd else dict(fds).items():
+            if devices.match_by_path:
+                what = devices.match_path(target)
+            elif target[:1] != "/" or ("/dev/" not in target and "nvidia" not in target):
+                continue
+            else:
+                try:
+                    what = devices.match_rdev(stat_cached(name, dir_fd=dfd))
+                except FileNotFoundError:
+                    continue
+                except OSError as err:
+                    raise _classify_error(err) from None
+            if what is not None:
+                found.add(*what, via_map=False)
+        return len(names)
 
     @staticmethod
     def _readlinks_carefully(dfd: int, names: list[str]) -> tuple[list[str], list[str]]:

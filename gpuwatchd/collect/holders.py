@@ -9,6 +9,7 @@ In detail: docs/internals.md, section `gpuwatchd.collect.holders`.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import stat
@@ -19,7 +20,7 @@ from typing import Literal, Protocol
 from gpuwatchd.collect import spread
 from gpuwatchd.collect.kcmp import Kcmp
 from gpuwatchd.collect.mig import CAPABILITIES_DIR, match_cap_file
-from gpuwatchd.collect.statfiles import GONE_ERRNOS, read_proc_file
+from gpuwatchd.collect.statfiles import GONE_ERRNOS, read_proc_blocks, stat_cached
 from gpuwatchd.core.model import DeviceHolding, HolderScan, MigCapability
 from gpuwatchd.core.procstat import StatFields
 
@@ -27,6 +28,7 @@ NVIDIA_MAJOR = 195
 NVIDIACTL_MINOR = 255
 MAX_GPU_MINOR = 247  # 248-253 unused, 254 nvidia-modeset, 255 nvidiactl
 THREAD_TABLE_BUDGET = 65_536  # fd entries of one process's threads' own tables (docs/internals.md)
+FD_BATCH = 1024  # fds whose link texts (4 KiB at most) one scan holds at once
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _DEVICE_NAME = re.compile(r"nvidia(\d+)|nvidiactl|nvidia-uvm|(?:nvidia-caps/)?nvidia-cap(\d+)")
@@ -228,7 +230,7 @@ class DeviceFiles:
     ) -> tuple[_Match | None, bool]:
         """(what a mapped file is, whether that was proven by device number)."""
         with contextlib.suppress(OSError):
-            return self.match_rdev(os.stat(f"{base}/map_files/{address}")), True
+            return self.match_rdev(stat_cached(f"{base}/map_files/{address}")), True
         if not path.endswith(" (deleted)"):
             with contextlib.suppress(OSError):
                 st = os.stat(f"{base}/root{path}")
@@ -251,6 +253,7 @@ class HolderScanner:
         self.min_slice = spread.MIN_SLICE
         self._kcmp: Kcmp | None = None  # made on first use (in each forked scan worker)
         self.thread_table_budget = THREAD_TABLE_BUDGET
+        self.fd_batch = FD_BATCH
         # Called after each process scanned here, never in a forked worker (the daemon's watchdog)
         self.progress: Callable[[], None] | None = None
         self._every_fd = False  # a full scan's: every fd a device, not one per link text
@@ -307,54 +310,61 @@ class HolderScanner:
         return rows
 
     def _scan_fds(self, fd_dir: str, found: _Found) -> int:
-        """Add what the fds in ``fd_dir`` hold; how many fds the table had (0: empty)."""
-        readlink, devices = os.readlink, self.devices
+        """Add what the fds in ``fd_dir`` hold, :attr:`fd_batch` at a time (a table may have a
+        million fds, each a 4 KiB link text); how many fds the table had (0: empty)."""
         try:
             dfd = os.open(fd_dir, _DIR_FLAGS)
         except OSError as err:
             raise _classify_error(err) from None
+        count = 0
         try:
-            try:
-                names = os.listdir(dfd)
-            except OSError as err:
-                raise _classify_error(err) from None
-            try:
-                # All the fds at once; the careful loop only when an fd misbehaves.
-                targets = [readlink(name, dir_fd=dfd) for name in names]
-            except OSError as err:
-                if err.errno not in GONE_ERRNOS or not os.path.exists(f"{fd_dir}/."):
-                    raise _classify_error(err) from None
-                names, targets = self._readlinks_carefully(dfd, names)
-            if not self.devices.may_hold(targets):
-                return len(names)
-            for target in set(targets):
-                if "/capabilities/" in target:
-                    cap = match_cap_file(target, devices.capabilities_dir)
-                    if cap is not None:
-                        found.cap_files.add((cap.gpu_minor, cap.gi, cap.ci))
-            # A link is the path as this reader resolves it: files of two mount namespaces
-            # (a host's and a container's /dev/nvidia0) can read the same. A full scan (the
-            # reset's final one) looks at each fd in device-number mode; a targeted scan, every
-            # poll, at one fd per text (a CUDA process holds dozens of a few texts).
-            fds = zip(targets, names, strict=True)
-            every_fd = self._every_fd and not devices.match_by_path
-            for target, name in fds if every_fd else dict(fds).items():
-                if devices.match_by_path:
-                    what = devices.match_path(target)
-                elif target[:1] != "/" or ("/dev/" not in target and "nvidia" not in target):
-                    continue
-                else:
-                    try:
-                        what = devices.match_rdev(os.stat(name, dir_fd=dfd))
-                    except FileNotFoundError:
-                        continue
-                    except OSError as err:
-                        raise _classify_error(err) from None
-                if what is not None:
-                    found.add(*what, via_map=False)
-            return len(names)
+            with os.scandir(dfd) as entries:
+                while names := [entry.name for entry in itertools.islice(entries, self.fd_batch)]:
+                    count += self._scan_fd_batch(fd_dir, dfd, names, found)
+        except OSError as err:
+            raise _classify_error(err) from None
         finally:
             os.close(dfd)
+        return count
+
+    def _scan_fd_batch(self, fd_dir: str, dfd: int, names: list[str], found: _Found) -> int:
+        """Add what the fds ``names`` of ``fd_dir`` (open as ``dfd``) hold; how many are open."""
+        readlink, devices = os.readlink, self.devices
+        try:
+            # All the fds at once; the careful loop only when an fd misbehaves.
+            targets = [readlink(name, dir_fd=dfd) for name in names]
+        except OSError as err:
+            if err.errno not in GONE_ERRNOS or not os.path.exists(f"{fd_dir}/."):
+                raise _classify_error(err) from None
+            names, targets = self._readlinks_carefully(dfd, names)
+        if not devices.may_hold(targets):
+            return len(names)
+        for target in set(targets):
+            if "/capabilities/" in target:
+                cap = match_cap_file(target, devices.capabilities_dir)
+                if cap is not None:
+                    found.cap_files.add((cap.gpu_minor, cap.gi, cap.ci))
+        # A link is the path as this reader resolves it: files of two mount namespaces (a
+        # host's and a container's /dev/nvidia0) can read the same. A full scan (the reset's
+        # final one) looks at each fd in device-number mode; a targeted scan, every poll, at
+        # one fd per text (a CUDA process holds dozens of a few texts).
+        fds = zip(targets, names, strict=True)
+        every_fd = self._every_fd and not devices.match_by_path
+        for target, name in fds if every_fd else dict(fds).items():
+            if devices.match_by_path:
+                what = devices.match_path(target)
+            elif target[:1] != "/" or ("/dev/" not in target and "nvidia" not in target):
+                continue
+            else:
+                try:
+                    what = devices.match_rdev(stat_cached(name, dir_fd=dfd))
+                except FileNotFoundError:
+                    continue
+                except OSError as err:
+                    raise _classify_error(err) from None
+            if what is not None:
+                found.add(*what, via_map=False)
+        return len(names)
 
     @staticmethod
     def _readlinks_carefully(dfd: int, names: list[str]) -> tuple[list[str], list[str]]:
@@ -372,40 +382,46 @@ class HolderScanner:
         return kept, targets
 
     def _scan_maps(self, base: str, found: _Found, by_inode: _ByInode) -> bool:
-        """Add what the mappings of the process at ``base`` hold; False when it has none."""
+        """Add what the mappings of the process at ``base`` hold, read a block at a time (any
+        user can make them hundreds of megabytes); False when it has none."""
+        markers = self.devices.map_markers
+        mapped = False
         try:
-            data = read_proc_file(f"{base}/maps")
+            for data in read_proc_blocks(f"{base}/maps"):
+                mapped = True
+                if any(map(data.__contains__, markers)):
+                    for line in lines_containing(data, markers):
+                        self._add_mapping(base, line, found, by_inode)
         except OSError as err:
             raise _classify_error(err) from None
+        return mapped
+
+    def _add_mapping(self, base: str, line: bytes, found: _Found, by_inode: _ByInode) -> None:
+        """Add what one maps line of the process at ``base`` holds, if anything."""
         devices = self.devices
-        markers = devices.map_markers
-        if not any(map(data.__contains__, markers)):
-            return bool(data)
-        for line in lines_containing(data, markers):
-            fields = line.split(None, 5)
-            if len(fields) < 6 or fields[4] == b"0":
-                continue
-            address, _, _, device, inode, raw_path = fields
-            path = os.fsdecode(raw_path)
-            if devices.match_by_path:
-                if (what := devices.match_path(path)) is not None:
-                    found.add(*what, via_map=True)
-                continue
-            # /dev/shm is a nodev tmpfs: a path we skip, not a temporary file we create.
-            if path.startswith("/dev/shm/") or path == "/dev/zero (deleted)":  # noqa: S108
-                continue
-            key = (device, inode)
-            if key in by_inode:
-                what = by_inode[key]
-            else:
-                what, certain = devices.identify_mapping(base, os.fsdecode(address), path, inode)
-                if certain:
-                    by_inode[key] = what
-                elif what is not None:
-                    found.by_name = True
-            if what is not None:
+        fields = line.split(None, 5)
+        if len(fields) < 6 or fields[4] == b"0":
+            return
+        address, _, _, device, inode, raw_path = fields
+        path = os.fsdecode(raw_path)
+        if devices.match_by_path:
+            if (what := devices.match_path(path)) is not None:
                 found.add(*what, via_map=True)
-        return True
+            return
+        # /dev/shm is a nodev tmpfs: a path we skip, not a temporary file we create.
+        if path.startswith("/dev/shm/") or path == "/dev/zero (deleted)":  # noqa: S108
+            return
+        key = (device, inode)
+        if key in by_inode:
+            what = by_inode[key]
+        else:
+            what, certain = devices.identify_mapping(base, os.fsdecode(address), path, inode)
+            if certain:
+                by_inode[key] = what
+            elif what is not None:
+                found.by_name = True
+        if what is not None:
+            found.add(*what, via_map=True)
 
     def _scan_process(self, pid: int, by_inode: _ByInode) -> tuple[_Found | None, bool]:
         """(what ``pid`` holds, whether part of it was unreadable); (None, False) when gone."""

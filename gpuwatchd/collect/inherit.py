@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 
 from gpuwatchd.collect.holders import HolderScanner
 from gpuwatchd.collect.kcmp import Kcmp
+from gpuwatchd.collect.statfiles import stat_cached
 from gpuwatchd.core.model import FileSharing, HolderScan, ProcessIdentity, ProcessInfo
 from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.events import lazylog
@@ -127,7 +128,7 @@ class InheritanceProbe:
                 if "/dev/" not in target and "nvidia" not in target:
                     continue
                 try:
-                    st = os.stat(f"{fd_dir}/{name}")
+                    st = stat_cached(f"{fd_dir}/{name}")
                 except OSError:
                     continue
                 majors = {devices.device_major, devices.major("nvidia-uvm")}

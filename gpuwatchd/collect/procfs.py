@@ -27,6 +27,7 @@ from gpuwatchd.core.checked import decimal
 from gpuwatchd.core.model import CgroupInfo, ProcessInfo
 from gpuwatchd.core.procstat import StatFields, parse_stat
 from gpuwatchd.decide.floor import claims_infrastructure, names_infrastructure_unit
+from gpuwatchd.decide.patterns import MAX_COMMAND_TEXT
 
 if TYPE_CHECKING:
     from gpuwatchd.collect.holders import HolderScanner
@@ -36,6 +37,9 @@ DEFAULT_PID_MAX = 4194304
 # Inode numbers of the initial namespaces, fixed by the kernel (include/linux/proc_ns.h).
 PROC_PID_INIT_INO = 0xEFFFFFFC
 PROC_CGROUP_INIT_INO = 0xEFFFFFFB
+# A command line's bytes read: what patterns and events see (MAX_COMMAND_TEXT characters, four
+# bytes each at most) and that there is more; a user's arguments may be megabytes.
+_COMMAND_BYTES = 4 * MAX_COMMAND_TEXT + 4
 
 
 def parse_proc_devices(text: str) -> dict[str, int]:
@@ -384,15 +388,16 @@ class ProcFS:
 
 
 def _read_ids(base: str) -> tuple[int | None, tuple[int, ...] | None, bool]:
-    """The effective uid and ``NSpid`` from ``status`` (None each when unreadable; a uid
-    read before a malformed ``NSpid`` stands), and whether it read as gone."""
+    """The real uid and ``NSpid`` from ``status`` (None each when unreadable; a uid read
+    before a malformed ``NSpid`` stands), and whether it read as gone. The real uid: a user
+    running root's set-user-ID program (``passwd``) has the effective uid 0, not root's word."""
     uid: int | None = None
     nspid: tuple[int, ...] | None = None
     vanished = False
     try:
         status = _read_text(f"{base}/status")
         ids = _status_field(status, "Uid")
-        uid = int(ids[1]) if len(ids) > 1 else None  # the effective uid, as ps shows
+        uid = int(ids[0]) if ids else None
         nspid = tuple(int(n) for n in _status_field(status, "NSpid")) or None
     except ValueError:
         pass
@@ -406,11 +411,11 @@ def _read_command(base: str) -> tuple[tuple[str, ...] | None, str | None, bool]:
     as a zombie's), and whether either read as gone."""
     vanished = False
     try:
-        raw = read_proc_file(f"{base}/cmdline")
+        raw = read_proc_file(f"{base}/cmdline", _COMMAND_BYTES + 1)
+        # Its final NULs go only when it was read whole: cut, it goes on.
+        args = raw[:_COMMAND_BYTES] if len(raw) > _COMMAND_BYTES else raw.rstrip(b"\0")
         cmdline: tuple[str, ...] | None = (
-            tuple(a.decode("utf-8", "replace") for a in raw.rstrip(b"\0").split(b"\0"))
-            if raw
-            else ()
+            tuple(a.decode("utf-8", "replace") for a in args.split(b"\0")) if raw else ()
         )
     except OSError as err:
         vanished |= err.errno in GONE_ERRNOS

@@ -13,7 +13,8 @@ import contextlib
 import ctypes
 import errno
 import os
-from collections.abc import Iterable
+import struct
+from collections.abc import Iterable, Iterator
 
 from gpuwatchd.core.procstat import StatFields, parse_stat
 
@@ -22,18 +23,40 @@ _SIZE = 4096  # a stat line is a few hundred bytes; a comm is at most 64
 _FLAGS = os.O_RDONLY | os.O_CLOEXEC
 PROC_SUPER_MAGIC = 0x9FA0
 GONE_ERRNOS = frozenset({errno.ENOENT, errno.ESRCH})
+# statx(2): the attributes the kernel has, never asking the file's own file system (FUSE, NFS)
+_AT_FDCWD, _AT_STATX_DONT_SYNC, _STATX_BASIC_STATS = -100, 0x4000, 0x7FF
+_STATX = struct.Struct("<8xQI2IH2xQ")  # attributes..mode, then ino; rdev and dev at 128
+_statx = getattr(ctypes.CDLL(None, use_errno=True), "statx", None)
 
 
-def read_proc_file(path: str) -> bytes:
-    """The whole file, read in chunks (``/proc`` files report size 0, so no single read)."""
+def read_proc_file(path: str, limit: int | None = None) -> bytes:
+    """The whole file (its first ``limit`` bytes), read in chunks (``/proc`` files report size
+    0, so no single read)."""
     fd = os.open(path, _FLAGS)
     try:
-        chunks = []
-        while chunk := os.read(fd, 65536):
+        chunks, size = [], 0
+        while chunk := os.read(fd, 65536 if limit is None else min(65536, limit - size)):
             chunks.append(chunk)
+            size += len(chunk)
     finally:
         os.close(fd)
     return b"".join(chunks)
+
+
+def read_proc_blocks(path: str) -> Iterator[bytes]:
+    """The file a block of whole ``\n``-separated lines at a time, for one too large to hold:
+    the maps of a process with 65,530 mappings of a 4 KiB path are 270 MB."""
+    fd = os.open(path, _FLAGS)
+    try:
+        rest = b""
+        while chunk := os.read(fd, 65536):
+            block, newline, rest = (rest + chunk).rpartition(b"\n")
+            if newline:
+                yield block
+        if rest:
+            yield rest
+    finally:
+        os.close(fd)
 
 
 def is_procfs(path: str) -> bool:
@@ -47,6 +70,27 @@ def is_procfs(path: str) -> bool:
         return False
     f_type: int = ctypes.c_long.from_buffer(buf).value
     return f_type == PROC_SUPER_MAGIC
+
+
+def stat_cached(path: str, *, dir_fd: int | None = None) -> os.stat_result:
+    """``os.stat(path)`` from the attributes the kernel holds (``AT_STATX_DONT_SYNC``): a file
+    an fd or a mapping names may be on a file system that never answers (a user's FUSE server,
+    a hung NFS home), and its type and device number never change. ``os.stat`` where the C
+    library has no ``statx``."""
+    if _statx is None:
+        return os.stat(path, dir_fd=dir_fd)
+    buf = ctypes.create_string_buffer(256)  # struct statx
+    where = _AT_FDCWD if dir_fd is None else dir_fd
+    if _statx(where, os.fsencode(path), _AT_STATX_DONT_SYNC, _STATX_BASIC_STATS, buf) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), path)
+    _, nlink, uid, gid, mode, ino = _STATX.unpack_from(buf)
+    rdev_major, rdev_minor, dev_major, dev_minor = struct.unpack_from("<4I", buf, 128)
+    dev = os.makedev(dev_major, dev_minor)
+    return os.stat_result(
+        (mode, ino, dev, nlink, uid, gid, 0, 0, 0, 0),
+        {"st_rdev": os.makedev(rdev_major, rdev_minor)},
+    )
 
 
 class StatFiles:

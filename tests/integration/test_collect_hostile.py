@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, MutableMapping, Sequence
 from pathlib import Path
@@ -37,7 +38,14 @@ from gpuwatchd.collect.nvml import (
     worker_environment,
 )
 from gpuwatchd.collect.procfs import ProcFS, parse_proc_devices
-from gpuwatchd.core.model import FindingKind, GpuInfo, GpuMemory, NvmlProcess, NvmlReading
+from gpuwatchd.core.model import (
+    FindingKind,
+    GpuInfo,
+    GpuMemory,
+    HolderScan,
+    NvmlProcess,
+    NvmlReading,
+)
 from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.decide.assess.passes import assess
 from gpuwatchd.decide.assess.state import AssessState
@@ -474,6 +482,39 @@ class _Listed:
 
     def read(self) -> NvmlReading:
         return self.reading
+
+
+@pytest.mark.root
+def test_a_file_named_like_a_device_on_a_file_system_that_never_answers_stalls_no_scan(
+    tmp_path: Path,
+) -> None:
+    """A user holds a file whose path says ``nvidia`` on a file system that stops answering (a
+    FUSE server of theirs mounted ``allow_other``, a hung NFS home): the scan learns it is no
+    device from the attributes the kernel has, and never waits on that file system."""
+    try:
+        fuse = HangingFuse(tmp_path / "nvidia-data").start()
+    except Unavailable as why:
+        pytest.skip(f"no FUSE: {why}")
+    holder = subprocess.Popen(["/bin/sh", "-c", f'exec 3<"{fuse.file}"; exec sleep 600'])
+    found: list[object] = []
+    try:
+        deadline = time.monotonic() + 10
+        while not any(os.readlink(f"/proc/{holder.pid}/fd/{fd}") == str(fuse.file)
+                      for fd in os.listdir(f"/proc/{holder.pid}/fd")):  # fmt: skip
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        fuse.hang_getattr = True
+        scan = threading.Thread(
+            target=lambda: found.append(ProcFS().holders.scan([holder.pid])), daemon=True
+        )
+        scan.start()
+        scan.join(timeout=5)
+        assert not scan.is_alive(), "the scan waits on the FUSE server"
+    finally:
+        fuse.close()  # aborts the connection: a scan still waiting ends
+        holder.kill()
+        holder.wait(timeout=10)
+    assert found == [HolderScan(mode="targeted")]
 
 
 def test_a_listed_owner_whose_stat_fails_to_read_is_not_dead_and_its_worker_no_orphan(

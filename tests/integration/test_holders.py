@@ -12,12 +12,14 @@ import os
 import shutil
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gpuwatchd.collect.holders import (
+    FD_BATCH,
     DeviceFiles,
     HolderScanner,
     lines_containing,
@@ -94,6 +96,52 @@ def test_path_mode_finds_fd_and_map_holders(fake: FakeProc, devices: Path) -> No
     assert scan.holdings[702].ctl
     assert not scan.holdings[702].uvm
     assert scan.unreadable == frozenset()
+
+
+def test_a_maps_file_of_hundreds_of_megabytes_is_read_a_block_at_a_time(
+    fake: FakeProc, devices: Path
+) -> None:
+    """Any user can map one file 65,530 times (``vm.max_map_count``) under a 4 KiB path: a maps
+    file of 270 MB, read whole twice over (the chunks, then their join) by a walk, past the
+    unit's MemoryMax. Read a block at a time, a walk still finds every device line in it."""
+    fake.add(720)
+    hostile = f"/home/u/{'d' * 200}/" * 19 + "f"
+    lines = [f"{a:x}-{a + 0x1000:x} r--s 00000000 08:01 99 {hostile}\n" for a in range(1_600)]
+    for at, name in ((0, "nvidia0"), (777, "nvidia1"), (1_599, "nvidiactl")):
+        lines[at] = f"{at:x}-{at + 0x1000:x} rw-s 00000000 00:05 123 {devices}/{name}\n"
+    (fake.root / "720" / "maps").write_text("".join(lines))
+    tracemalloc.start()
+    try:
+        scan = scanner(str(fake.root), devices_dir=str(devices)).scan([720])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak >> 10} KiB held for a {len(lines) * len(hostile) >> 10} KiB file"
+    assert scan.holdings[720].gpu_minors_map == {0, 1}
+    assert scan.holdings[720].ctl
+
+
+def test_a_table_of_half_a_million_fds_is_read_a_batch_at_a_time(
+    fake: FakeProc, devices: Path
+) -> None:
+    """Any user may open 524,288 fds (systemd's default hard limit), each a dup of one file under
+    a 4 KiB path: their link texts, all held at once, are 2 GB. Read a batch at a time, a walk
+    still sees the device among them."""
+    fake.add(730, fds={1_023: f"{devices}/nvidia1"})
+    hostile = f"/home/u/{'d' * 200}/" * 19 + "f"
+    for fd in range(3, 1_023):
+        fake.open_fd(730, fd, hostile)
+    walk = scanner(str(fake.root), devices_dir=str(devices))
+    assert walk.fd_batch == FD_BATCH
+    walk.fd_batch = 64  # as 1,024 of half a million fds: a batch is a sixteenth of the table
+    tracemalloc.start()
+    try:
+        scan = walk.scan([730])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak >> 10} KiB held for {1_020 * len(hostile) >> 10} KiB of links"
+    assert scan.holdings[730].gpu_minors_fd == {1}
 
 
 def test_targeted_scan_looks_at_exactly_the_given_pids(fake: FakeProc, devices: Path) -> None:

@@ -148,6 +148,19 @@ def test_argv0_claiming_the_mps_server_grants_nothing(start: Start) -> None:
     assert unverified_infrastructure(info) is None  # known to be sleep: a possible target
 
 
+def test_a_set_user_id_root_program_run_by_a_user_is_the_users(folder: Path, start: Start) -> None:
+    """A user runs root's set-user-ID program (``passwd``, ``su``: effective uid 0, waiting for
+    input) with argv[0] ``nvidia-cuda-mps-server``: argv[0] is still the user's word, so the
+    process is the user's (its real uid), never root's MPS server making the node report-only."""
+    program = _copy(folder / "bin", "passwd")
+    os.chmod(program, 0o4755)  # noqa: S103 - set-user-ID root: the point of the test
+    info = start(program, argv0="nvidia-cuda-mps-server", uid=USER)
+    assert (info.uid, info.exe_trusted) == (USER, True)
+    assert not mps_server(info)
+    assert infrastructure(info) is None
+    assert unverified_infrastructure(info) is None
+
+
 def test_exe_ownership_is_read_only_for_processes_that_claim_an_infrastructure_name(
     start: Start,
 ) -> None:

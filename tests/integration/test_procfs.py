@@ -7,6 +7,7 @@ is tests/unit/test_cgroups.py.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from gpuwatchd.collect.procfs import (
     parse_proc_devices,
 )
 from gpuwatchd.core.procstat import StatFields, parse_stat
+from gpuwatchd.decide.patterns import MAX_COMMAND_TEXT, command_search, command_text
 from tests.support.children import Spawn, wait_for_state
 from tests.support.fakeproc import PF_KTHREAD, FakeProc, format_stat
 
@@ -139,6 +141,31 @@ def test_read_process_tells_a_reused_pid_by_its_start_ticks(fake: FakeProc) -> N
     assert after is not None
     assert before.identity != after.identity
     assert (before.cmdline, after.cmdline) == (("old",), ("new",))
+
+
+@pytest.mark.parametrize(
+    "cmdline",
+    [
+        pytest.param(("python3", *("x" * 100_000,) * 20, "--secret"), id="two-megabytes"),
+        pytest.param(("a", *("",) * 40_000, "--secret"), id="a-run-of-empty-arguments"),
+        pytest.param(("\u00e9" * 300_000, "--secret"), id="two-bytes-a-character"),
+    ],
+)
+def test_a_huge_command_line_is_read_only_as_far_as_a_pattern_sees(
+    fake: FakeProc, cmdline: tuple[str, ...]
+) -> None:
+    """A user's arguments may be megabytes (the kernel allows a quarter of the stack limit), and
+    the facts of every holder are kept: read whole, a few hundred such processes outgrow the
+    unit's MemoryMax. What is read still gives every pattern and event the same answer."""
+    fake.add(300, cmdline=cmdline)
+    info = ProcFS(str(fake.root)).read_process(300)
+    assert info is not None
+    assert info.cmdline is not None
+    assert sum(len(arg.encode()) + 1 for arg in info.cmdline) <= 4 * MAX_COMMAND_TEXT + 8
+    read, whole = " ".join(info.cmdline), " ".join(cmdline)
+    assert command_text(info.cmdline)[:MAX_COMMAND_TEXT] == whole[:MAX_COMMAND_TEXT]
+    for pattern in (re.compile("--secret"), re.compile("^python3 x"), re.compile("\\s$")):
+        assert command_search(pattern, read) == command_search(pattern, whole), pattern
 
 
 def test_read_process_returns_none_for_a_missing_pid(fake: FakeProc) -> None:

@@ -65,6 +65,7 @@ class HangingFuse:
         self.mountpoint = mountpoint
         self.file = mountpoint / FILE_NAME
         self.flushes = 0
+        self.hang_getattr = False  # True: a stat of the file (FUSE_GETATTR) never returns either
         self._fd: int | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -140,6 +141,8 @@ class HangingFuse:
         if opcode == FUSE_FLUSH:
             self.flushes += 1
             return  # the point: a forced request that never completes
+        if opcode == FUSE_GETATTR and node == FILE and self.hang_getattr:
+            return
         reply, error = b"", 0
         if opcode == FUSE_INIT:
             _, minor, readahead, _ = INIT_IN.unpack_from(body)

@@ -54,7 +54,7 @@ from gpuwatchd.decide.policy import Detection
 from tests.support.fakenvml import FakeNvml, gpu, open_device_files, state
 from tests.support.fakeproc import FakeProc, make_devices
 from tests.support.simhost import SimHost
-from tests.support.unkillable import HangingFuse
+from tests.support.unkillable import HangingFuse, Unavailable
 
 LINE_BREAKS = ["\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
 BREAK_IDS = [f"U+{ord(c):04X}" for c in LINE_BREAKS]

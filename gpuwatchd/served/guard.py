@@ -68,7 +68,8 @@ class ViewPublisher:
         content = {key: value for key, value in view.items() if key != "polled"}
         polled = view.get("polled")
         wall = float(polled) if isinstance(polled, (int, float)) else self._wall_clock()
-        if not self.dirty and content == self._content and wall - self._polled < REFRESH:
+        # A poll dated before the one written (the wall clock set back) rewrites it too.
+        if not self.dirty and content == self._content and 0 <= wall - self._polled < REFRESH:
             return False
         state_dir = self._state_dir()
         if state_dir is None:

@@ -291,7 +291,8 @@ def ask(state_dirs: Sequence[str], request: ScanRequest, timeout: float) -> Scan
     for folder in state_dirs:
         try:
             return _ask_one(folder, request, deadline)
-        except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError):
+        # ValueError: a NUL byte in the path (guessed from a file read as is) names no folder.
+        except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError, ValueError):
             continue  # no daemon listens there
         except ExchangeError as err:
             return ScanAnswer(False, f"the daemon's answer was refused: {err}")

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["doc", "view_clean", "wait_for"]
+__all__ = ["doc", "view_clean", "view_served", "wait_for"]
 
 
 def wait_for(predicate: Callable[[], object], timeout: float = 20.0) -> None:
@@ -34,3 +34,22 @@ def doc(path: Path) -> dict[str, Any]:
 def view_clean(view: Path) -> bool:
     """The daemon published a clean view (no device file opened since its walk)."""
     return doc(view).get("clean") is True
+
+
+def view_served(view: Path) -> bool:
+    """The daemon published a clean view whose holders all still run (their start ticks): one
+    it can answer a ``scan`` from. A holder that has exited since (a ``scan`` that walked by
+    itself and its NVML worker, which opened the device files) is a walk due (``holder_gone``):
+    the daemon declines until its next poll has walked."""
+    found = doc(view)
+    holders = found.get("holders", [])
+    return found.get("clean") is True and all(_runs(pid, ticks) for pid, ticks in holders)
+
+
+def _runs(pid: int, ticks: int | None) -> bool:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return False
+    # After the comm: the state (field 3), ..., the start ticks (field 22).
+    return fields[0] not in ("Z", "X") and ticks in (None, int(fields[19]))

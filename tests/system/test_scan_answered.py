@@ -28,7 +28,7 @@ from gpuwatchd.served import holders as holder_view
 from gpuwatchd.served.scan_socket import SOCKET_NAME, ScanRequest, ask
 from tests.support.fakenvml import MiB, gpu, process
 from tests.support.opener import opener, tell
-from tests.support.published import doc, view_clean, wait_for
+from tests.support.published import doc, view_clean, view_served, wait_for
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
 
 pytestmark = pytest.mark.skipif(
@@ -104,28 +104,30 @@ def host_answered(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         view = host.state_dir / holder_view.VIEW_FILE
         alone = {**host.env(), "GPUWATCHD_ASK_DAEMON": "0"}
         try:
+            # Before each scan that asks: a view the daemon answers from (not one that still lists
+            # the scan before, gone: it declines until its next poll walks).
             wait_for(
-                lambda: view_clean(view) and (host.state_dir / SOCKET_NAME).exists(), timeout=30
+                lambda: view_served(view) and (host.state_dir / SOCKET_NAME).exists(), timeout=30
             )
             out["answered"] = _summary(_run(host, "--config", str(config), "scan", "--json"))
-            wait_for(lambda: view_clean(view))
+            wait_for(lambda: view_served(view))
             out["itself"] = _summary(
                 _run(host, "scan", "--json", "--config", str(config), env=alone)
             )
             out["full"] = _summary(_run(host, "scan", "--json", "--full", "--config", str(config)))
-            wait_for(lambda: view_clean(view))
+            wait_for(lambda: view_served(view))
             text = _run(host, "scan", "--config", str(config), "--color", "never")
-            wait_for(lambda: view_clean(view))
+            wait_for(lambda: view_served(view))
             text_alone = _run(host, "scan", "--config", str(config), "--color", "never", env=alone)
             out["text"] = {"code": text.returncode, "first": text.stdout.splitlines()[:1],
                            "first_alone": text_alone.stdout.splitlines()[:1],
                            "job_shown": str(pids["job"]) in text.stdout}  # fmt: skip
-            wait_for(lambda: view_clean(view))
+            wait_for(lambda: view_served(view))
             out["modules"] = _probe_modules(host, config)
             # An edit the daemon has not read: it declines; the command reads the files itself.
             with open(config, "a", encoding="utf-8") as handle:
                 handle.write("# edited, not reloaded\n")
-            wait_for(lambda: view_clean(view))
+            wait_for(lambda: view_served(view))
             out["edited"] = _summary(_run(host, "scan", "--json", "--config", str(config)))
         finally:
             daemon.send_signal(signal.SIGTERM)

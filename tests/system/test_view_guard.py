@@ -129,6 +129,25 @@ def test_publishing_the_view_never_waits_for_the_disk(
     assert synced == []
 
 
+def test_an_unchanged_view_is_rewritten_every_refresh_also_after_the_clock_was_set_back(
+    host: tuple[Path, StateDir],
+) -> None:
+    """At least every REFRESH seconds of its polls' wall times: a poll dated before the view on
+    disk (the clock set back) rewrites it at once, never only once the clock is past it again."""
+    state = host[1]
+    publisher = ViewPublisher(lambda: state, lambda error: None)
+
+    def published(polled: float) -> bool:
+        return publisher.publish({**_view(None), "polled": polled})
+
+    assert published(1000.0)
+    assert not published(1000.0 + holder_view.REFRESH - 1)
+    assert published(1000.0 + holder_view.REFRESH)
+    assert published(400.0)  # set back ten minutes
+    assert _on_disk(state)["polled"] == 400.0
+    assert not published(410.0)
+
+
 def test_a_view_that_cannot_be_marked_dirty_stops_the_watch(
     host: tuple[Path, StateDir],
 ) -> None:

@@ -376,6 +376,21 @@ def test_no_socket_or_no_listener_means_not_asked(tmp_path: Path) -> None:
     assert answer == ScanAnswer(False, "no daemon socket")
 
 
+def test_a_state_dir_with_a_nul_byte_is_no_socket_and_the_command_reads_the_files_itself(
+    tmp_path: Path,
+) -> None:
+    """The state_dir is guessed from the main file's bytes before they are parsed: a NUL in it
+    (which the configuration reader refuses, exit 78 naming the file) is asked nowhere."""
+    assert ask([f"{tmp_path}/st\0ate", str(tmp_path)], REQUEST, 1.0) == ScanAnswer(
+        False, "no daemon socket"
+    )
+    config = tmp_path / "gpuwatchd.yaml"
+    config.write_bytes(f"state_dir: {tmp_path}/st\0ate\n".encode())
+    answer = answered_by_daemon(["--config", str(config), "scan"])
+    assert answer is not None
+    assert answer.answered is False
+
+
 def test_a_daemon_that_does_not_answer_in_time_is_given_up(folder: tuple[Path, int]) -> None:
     path, fd = folder
     server = ScanServer(lambda request: ScanAnswer(True, "answered", 0, "{}\n", ()), print)

@@ -330,17 +330,18 @@ class ProcFS:
                 found[pid] = info
         return found
 
-    def _children_files(self, pid: int) -> bool:
-        """Whether the kernel offers ``task/*/children`` (CONFIG_PROC_CHILDREN); probed once."""
+    def _children_files(self, pid: int) -> bool | None:
+        """Whether the kernel offers ``task/*/children`` (CONFIG_PROC_CHILDREN); probed once,
+        on a live process: None (cannot tell yet) from one that is gone."""
         if self._has_children_files is None:
             if not os.path.isdir(f"{self.root}/{pid}/task/{pid}"):
-                return False  # cannot tell from a process that is gone; probe again later
+                return None  # probe again later, on a live one
             self._has_children_files = os.path.exists(f"{self.root}/{pid}/task/{pid}/children")
         return self._has_children_files
 
     def children(self, pid: int) -> list[int]:
         """Direct children, from ``/proc/PID/task/*/children`` or, without it, a stat scan."""
-        if not self._children_files(pid):
+        if self._children_files(pid) is False:
             return sorted(self._parents_by_scan().get(pid, []))
         task_dir = f"{self.root}/{pid}/task"
         try:
@@ -370,7 +371,7 @@ class ProcFS:
         scan of /proc without children files. ``children``: a cheaper source where it knows."""
         frontier = list(dict.fromkeys(pids))
         by_parent: dict[int, list[int]] | None = None
-        if any(not self._children_files(pid) for pid in frontier):
+        if any(self._children_files(pid) is False for pid in frontier):
             by_parent = self._parents_by_scan()
         seen: set[int] = set()
         while frontier:

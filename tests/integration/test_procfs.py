@@ -323,6 +323,28 @@ def test_children_and_descendants(tmp_path: Path, children_files: bool) -> None:
     assert procfs.descendants([10, 20, 999]) == {11, 12, 13, 21}
 
 
+def test_a_gone_pid_asked_first_leaves_the_children_files_probe_to_a_live_one(
+    tmp_path: Path,
+) -> None:
+    """The probe for ``task/*/children`` cannot tell from a process that has exited: asked
+    about one first, it must not answer "no children files" and walk every stat of /proc."""
+    fake = FakeProc(tmp_path / "proc")
+    for pid, ppid in ((10, 1), (11, 10), (12, 11)):
+        fake.add(pid, ppid=ppid)
+    procfs = ProcFS(str(fake.root))
+    walks: list[list[int]] = []
+    list_pids = procfs.list_pids
+
+    def walk() -> list[int]:
+        walks.append(list_pids())
+        return walks[-1]
+
+    procfs.list_pids = walk  # type: ignore[method-assign]
+    assert procfs.children(999) == []
+    assert procfs.descendants([999, 10]) == {11, 12}
+    assert walks == []
+
+
 # --- compatibility: ProcFS builds the holder scan ----------------------------------------
 
 

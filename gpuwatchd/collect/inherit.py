@@ -64,6 +64,7 @@ class InheritanceProbe:
             return ()
         found: list[FileSharing] = []
         budget = _MAX_NEW_PAIRS
+        read: dict[int, list[int] | None] = {}  # each process's device fds, read once
         for pid in sorted(holders.holdings):
             holder = processes.get(pid)
             if holder is None or pid in live_owners or holder.identity is None:
@@ -77,7 +78,7 @@ class InheritanceProbe:
                 retry = self._unknown_until.get(key, 0) <= self._polls
                 if shared is None and retry and budget > 0 and self.kcmp.unavailable is None:
                     budget -= 1
-                    shared = self._shares(pid, owner.pid)
+                    shared = self._shares(pid, owner.pid, read)
                     if len(self._known) + len(self._unknown_until) >= _MAX_CACHE:
                         self._known.clear()
                         self._unknown_until.clear()
@@ -89,8 +90,11 @@ class InheritanceProbe:
                 found.append(FileSharing(holder=pid, owner=owner.pid, shared=shared))
         return tuple(found)
 
-    def _shares(self, holder: int, owner: int) -> bool | None:
-        mine, theirs = self.device_fds(holder), self.device_fds(owner)
+    def _shares(self, holder: int, owner: int, read: dict[int, list[int] | None]) -> bool | None:
+        for pid in (holder, owner):
+            if pid not in read:
+                read[pid] = self.device_fds(pid)
+        mine, theirs = read[holder], read[owner]
         if not mine or not theirs:
             return None  # mappings only, or unreadable: nothing to compare
         unknown = False

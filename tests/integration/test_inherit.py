@@ -126,6 +126,30 @@ def test_probe_compares_holders_with_the_live_owner_above_them(
     assert again == answers  # cached per identity pair
 
 
+def test_a_process_s_fds_are_read_once_per_comparison_whatever_its_pairs(
+    family: tuple[int, int, int, int], devices: pathlib.Path
+) -> None:
+    """An owner's fd table is read for each holder below it, and any user may open half a
+    million fds (about a second and 60 MB to list): one comparison reads each process once."""
+    _kcmp_or_skip()
+    owner, _, inherited, own = family
+    procfs = ProcFS(devices_dir=str(devices))
+    scan = procfs.holders.scan([owner, inherited, own])
+    processes = procfs.read_processes([owner, inherited, own])
+    probe = InheritanceProbe(procfs.holders, "/proc")
+    reads: list[int] = []
+    device_fds = probe.device_fds
+
+    def counted(pid: int) -> list[int] | None:
+        reads.append(pid)
+        return device_fds(pid)
+
+    probe.device_fds = counted  # type: ignore[method-assign]
+    answers = {a.holder: a.shared for a in probe.compare(processes, scan, [owner], {})}
+    assert answers == {inherited: True, own: False}
+    assert sorted(reads) == sorted([owner, inherited, own])
+
+
 def test_unknown_when_kcmp_is_refused() -> None:
     refused = Kcmp(number=-1)  # no such syscall: ENOSYS, as under a seccomp filter
     assert refused.same_file(os.getpid(), 0, os.getpid(), 0) is None

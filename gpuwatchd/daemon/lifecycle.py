@@ -43,7 +43,7 @@ from gpuwatchd.daemon.notify import (
 from gpuwatchd.daemon.serving import ScanServing
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.health.state import HealthState
-from gpuwatchd.decide.plan.decisions import pending_keys
+from gpuwatchd.decide.plan.decisions import another_boots, pending_keys
 from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import (
@@ -708,10 +708,15 @@ class Daemon:
                 if rebooted and assess.boot_id is None:
                     # Another boot's Xids (a poll keeps a history of a boot it cannot tell).
                     assess = dataclasses.replace(assess, health=HealthState())
+                plan = PlanState.from_json(data.get("plan"))
+                if rebooted and plan.boot_id is None:  # its monotonic times too; the in-flight
+                    # reset is the resume's to clear, saying so (Engine.resume_interrupted_reset)
+                    flight = plan.reset_in_flight
+                    plan = dataclasses.replace(another_boots(plan), reset_in_flight=flight)
                 self.engine.restore(
                     EngineState(
                         assess=assess,
-                        plan=PlanState.from_json(data.get("plan")),
+                        plan=plan,
                         reset_in_progress=record,
                     )
                 )

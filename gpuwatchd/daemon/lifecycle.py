@@ -308,6 +308,7 @@ class Daemon:
             self._wait()
         self.notifier.notify("STOPPING=1")
         self._finish_notifications()
+        self._saved_key = None  # always written: the last poll's last_wall is in no key
         self.save_state()
         log.info(EventName.DAEMON_STOP, exit_code=code)
         return code
@@ -739,7 +740,8 @@ class Daemon:
         False when it could not be written (logged: the engine then takes no irreversible step)."""
         boot_id = self.procfs.boot_id()
         state = self.engine.standing()
-        # last_wall moves every poll; an older one on disk hides no backward clock step.
+        # last_wall moves every poll: the one on disk may be a minute old (STATUS_REFRESH), and
+        # the next start misses a backward clock step smaller than its age; a stop writes it.
         verdict = state.verdict
         key = (
             boot_id,

@@ -803,3 +803,28 @@ def test_a_plan_saved_with_no_boot_id_is_another_boots_and_its_monotonic_times_a
             assert loaded.scope_latches == {"uid:1000": Latch("cap", 1.0e9, None)}
             assert (loaded.reset_history, loaded.reset_in_flight) == (plan.reset_history, flight)
         assert daemon.save_state()
+
+
+def test_the_stop_writes_the_last_polls_wall_time_so_a_restart_sees_a_clock_set_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plan's ``last_wall`` is in no save key (it moves every poll), so the file kept the
+    one of the minute's first write, and a start after a stop missed a backward wall-clock
+    step smaller than its age (a reset's time then later than an Xid after it). The stop
+    writes the last poll's."""
+    daemon, _ = _daemon_with_config(tmp_path, "dry_run: true\n")
+    (tmp_path / "state").mkdir(mode=0o700)
+    walls = iter([1200.0, 1230.0])
+
+    def poll() -> None:  # a quiet poll: only its wall time moves
+        daemon.last_poll_wall = wall = next(walls)
+        daemon.engine.state.plan = dataclasses.replace(daemon.engine.state.plan, last_wall=wall)
+        daemon.save_state()
+        daemon._stop = wall == 1230.0
+
+    monkeypatch.setattr(daemon, "poll_once", poll)
+    monkeypatch.setattr(daemon, "_install_signal_handlers", lambda: None)
+    monkeypatch.setattr(daemon, "_wait", lambda: None)
+    assert daemon.run() == ExitCode.OK
+    saved = json.loads((tmp_path / "state" / "state.json").read_text())
+    assert saved["plan"]["last_wall"] == 1230.0

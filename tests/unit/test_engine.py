@@ -35,6 +35,7 @@ from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine.cycle import Engine, EngineState
 from gpuwatchd.engine.edges import Pause
+from gpuwatchd.events.words import short
 from tests.support.enginerig import (
     GPU0,
     LEAK,
@@ -417,6 +418,25 @@ def test_a_huge_record_is_shown_cut_in_every_event_of_its_resume(step: str) -> N
     assert isinstance(shown, dict)
     assert (shown["uuid"], shown["step"]) == (GPU0, step)
     assert str(shown["commands"]).startswith("{'reset': [['yyy")
+    assert max(len(repr(fields)) for _, _, fields in second.sink.events) < 5000
+
+
+@pytest.mark.parametrize(
+    "uuid", ["y" * 100_000, "GPU-1\nforged", GPU0[:13]], ids=["huge", "a-newline", "a-prefix"]
+)
+def test_a_record_whose_uuid_is_no_gpus_is_unreadable_and_never_shown_whole(uuid: str) -> None:
+    """A record's ``uuid`` is the state file's (any string, as large as the file) and was
+    shown whole in ``reset.resumed``, each step's events and the reasons: one not in the
+    format NVML gives a GPU's UUID is an unreadable record, shown cut, and nothing is run."""
+    pol = make_policy("reset: {confirm_for: 0s, cooldown: 1m, after: [{command: [undrain]}]}")
+    state = _interrupted_during_the_reset(pol, uuid=uuid)
+    second = rig(pol, ghost_host, state=state)
+    second.engine.resume_interrupted_reset()
+    (failed,) = second.sink.named(EventName.RESET_RESUME_FAILED)
+    assert str(failed["reason"]).startswith("unreadable reset record {")
+    (resumed,) = second.sink.named(EventName.RESET_RESUMED)
+    assert (resumed["result"], resumed["gpu"]) == ("failed", short(uuid))
+    assert second.actuator.commands == []
     assert max(len(repr(fields)) for _, _, fields in second.sink.events) < 5000
 
 

@@ -20,6 +20,8 @@ from gpuwatchd.core.model import (
     MIB,
     FindingKind,
     GpuInfo,
+    KernelXid,
+    NvmlReading,
     ProcessIdentity,
     Snapshot,
     Spare,
@@ -34,7 +36,7 @@ from gpuwatchd.decide.plan.decisions import set_paused
 from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine.cycle import Engine, EngineState
-from gpuwatchd.engine.edges import Pause
+from gpuwatchd.engine.edges import Pause, TakenXids
 from gpuwatchd.events.words import short
 from tests.support.enginerig import (
     GPU0,
@@ -52,6 +54,7 @@ from tests.support.enginerig import (
     rig,
 )
 from tests.support.healthcases import GPU0 as HEALTH_GPU
+from tests.support.healthcases import GPU1 as HEALTH_GPU1
 from tests.support.healthcases import gpu, health, snap
 from tests.support.snapshots import HostBuilder, cg_session
 
@@ -724,3 +727,22 @@ def test_the_reset_stops_no_monitor_a_spare_or_protect_covers(
     r.poll_at(0.0)
     target = ResetTarget(uuid=GPU0, pci_bus_id=None, minor=0, persistence_was_on=False)
     assert [m.identity.pid for m in r.engine.find_monitors(target)] == stopped, case
+
+
+def test_xids_kept_for_the_next_poll_wait_for_a_poll_that_reads_their_gpu() -> None:
+    """The Xids a reading between polls took (the reset procedure's) went into the next poll
+    whatever it read: with NVML unavailable that poll, or one GPU's health unread, they were
+    dropped, never judged. They wait for a poll that reads their GPU's health (the kernel
+    log's, for one that names GPUs: the collector reads the log only then)."""
+    double_bit = XidEvent(48, 1_700_000_900.0)
+    logged = KernelXid("0000:11:00", 48, 900.0, 900.0, 7)
+    taken = TakenXids()
+    taken.add([gpu(1, HEALTH_GPU1, health(xids=(double_bit,)))], (logged,))
+    unavailable = replace(snap(), nvml=NvmlReading(available=False, error="timed out"))
+    assert taken.first_in(unavailable) == unavailable
+    unread = snap(gpu(0, HEALTH_GPU, health()), gpu(1, HEALTH_GPU1, None))
+    assert taken.first_in(unread).kernel_xids == (logged,)
+    read = taken.first_in(snap(gpu(0, HEALTH_GPU, health()), gpu(1, HEALTH_GPU1, health())))
+    assert [g.health.xids for g in read.nvml.gpus if g.health] == [(), (double_bit,)]
+    again = snap(gpu(1, HEALTH_GPU1, health()))
+    assert taken.first_in(again) == again

@@ -18,6 +18,7 @@ from gpuwatchd.act.reset_target import (
     ResetOutcome,
     ResetTarget,
     commands_from_record,
+    is_a,
     prepare_commands,
     prepare_hooks,
 )
@@ -56,7 +57,7 @@ def of_another_boot(record: Mapping[str, object]) -> bool:
 
 def _target_from(record: Mapping[str, object], hostname: str | None) -> ResetTarget | None:
     uuid = record.get("uuid")
-    if not isinstance(uuid, str) or not uuid:
+    if not isinstance(uuid, str) or not is_a("uuid", uuid):  # hostile: shown in every event
         return None
     recovery = None
     if "recovery" in record:  # a MIG recovery's: never resumed as a whole GPU's reset

@@ -157,10 +157,11 @@ def _gpu_names(target: ResetTarget) -> list[str]:
     An argument may hold one with more around it (``--id={uuid}``, ``-i{uuid}``: check-config
     accepts them); in its format, one cannot be there by chance."""
     names = [("uuid", target.uuid), ("pci_bus_id", target.pci_bus_id)]
-    return [value for name, value in names if value is not None and _is_a(name, value)]
+    return [value for name, value in names if value is not None and is_a(name, value)]
 
 
-def _is_a(name: str, value: str) -> bool:
+def is_a(name: str, value: str) -> bool:
+    """Whether ``value`` is in the format NVML gives placeholder ``name`` (``uuid``, ...)."""
     try:
         check_value(name, value)
     except ValueError:

@@ -43,7 +43,7 @@ from gpuwatchd.daemon.notify import (
 from gpuwatchd.daemon.serving import ScanServing
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.health.state import HealthState
-from gpuwatchd.decide.plan.decisions import pending_keys
+from gpuwatchd.decide.plan.decisions import another_boots, pending_keys
 from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import (
@@ -308,6 +308,7 @@ class Daemon:
             self._wait()
         self.notifier.notify("STOPPING=1")
         self._finish_notifications()
+        self._saved_key = None  # always written: the last poll's last_wall is in no key
         self.save_state()
         log.info(EventName.DAEMON_STOP, exit_code=code)
         return code
@@ -708,10 +709,15 @@ class Daemon:
                 if rebooted and assess.boot_id is None:
                     # Another boot's Xids (a poll keeps a history of a boot it cannot tell).
                     assess = dataclasses.replace(assess, health=HealthState())
+                plan = PlanState.from_json(data.get("plan"))
+                if rebooted and plan.boot_id is None:  # its monotonic times too; the in-flight
+                    # reset is the resume's to clear, saying so (Engine.resume_interrupted_reset)
+                    flight = plan.reset_in_flight
+                    plan = dataclasses.replace(another_boots(plan), reset_in_flight=flight)
                 self.engine.restore(
                     EngineState(
                         assess=assess,
-                        plan=PlanState.from_json(data.get("plan")),
+                        plan=plan,
                         reset_in_progress=record,
                     )
                 )
@@ -734,7 +740,8 @@ class Daemon:
         False when it could not be written (logged: the engine then takes no irreversible step)."""
         boot_id = self.procfs.boot_id()
         state = self.engine.standing()
-        # last_wall moves every poll; an older one on disk hides no backward clock step.
+        # last_wall moves every poll: the one on disk may be a minute old (STATUS_REFRESH), and
+        # the next start misses a backward clock step smaller than its age; a stop writes it.
         verdict = state.verdict
         key = (
             boot_id,

@@ -85,6 +85,7 @@ from gpuwatchd.engine.edges import (
     run_now,
 )
 from gpuwatchd.events.catalogue import notification
+from gpuwatchd.events.words import short
 
 _IDENTITY = ("pid", "start_ticks")
 EXIT_GRACE = 0.01  # seconds to watch just-signalled targets before the checkpoint
@@ -799,10 +800,11 @@ class Engine:
         self.checkpoint()
         if outcome is None:
             return
+        uuid = record.get("uuid")  # the state file's, of an unreadable record too: shown cut
         self.emit(
             EventName.RESET_RESUMED,
             Level.WARNING,
-            gpu=record.get("uuid"),
+            gpu=None if uuid is None else short(uuid),
             result=outcome.result,
             step=outcome.step.value,
             reason=outcome.reason,

@@ -67,10 +67,13 @@ class TakenXids:
         self.kernel += kernel
 
     def first_in(self, snapshot: Snapshot) -> Snapshot:
-        """``snapshot`` with the Xids kept in front of its own (NVML's of each GPU whose health
-        it read); none are kept after."""
-        events, kernel = self.events, self.kernel
-        self.events, self.kernel = {}, ()
+        """``snapshot`` with the Xids kept in front of its own: NVML's of each GPU whose health
+        it read, the kernel log's while NVML names GPUs (the collector reads the log only
+        then); the others are kept for a poll that reads them."""
+        read = {gpu.uuid for gpu in snapshot.nvml.gpus if gpu.health is not None}
+        events = {uuid: xids for uuid, xids in self.events.items() if uuid in read}
+        self.events = {uuid: xids for uuid, xids in self.events.items() if uuid not in read}
+        kernel, self.kernel = (self.kernel, ()) if snapshot.nvml.gpus else ((), self.kernel)
         if not events and not kernel:
             return snapshot
         gpus = tuple(

@@ -36,7 +36,14 @@ from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.floor import reset_blockers
 from gpuwatchd.decide.health.state import GpuHealthState, HealthState, XidRecord
 from gpuwatchd.decide.mig.recovery import InstanceRecovery
-from gpuwatchd.decide.plan.state import Ladder, PlanState, ResetInFlight
+from gpuwatchd.decide.plan.state import (
+    Ladder,
+    Latch,
+    MigUnfinished,
+    PlanState,
+    ResetInFlight,
+    SeenFinding,
+)
 from gpuwatchd.decide.verdict import UNREADABLE
 from gpuwatchd.engine.edges import Pause, PollReport
 from gpuwatchd.events.catalogue import render
@@ -753,3 +760,71 @@ def test_a_reload_asked_before_the_first_poll_completes_sends_no_ready(
     assert EventName.CONFIG_RELOADED in [e["event"] for e in logs]
     assert not [m for m in before_the_poll if m.startswith(("READY=", "RELOADING="))]
     assert "READY=1" in recorder.sent
+
+
+@pytest.mark.parametrize("saved_boot", ["none", "this"])
+def test_a_plan_saved_with_no_boot_id_is_another_boots_and_its_monotonic_times_are_dropped(
+    tmp_path: Path, saved_boot: str
+) -> None:
+    """A plan saved with no boot id, read by a start that takes it for another boot's
+    (``state.new_boot``), loses what a poll reading a new boot id drops: its first-seen times,
+    quiet windows, kill-cap history and half-done MIG recovery are on the old boot's monotonic
+    clock (restarted near 0 by the reboot). Its reset history and latch are kept, the latch's
+    monotonic anchor dropped; the reset in flight is left to the resume, which says it clears
+    it. This boot's plan is kept whole, also across a save before the first poll."""
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    policy = dataclasses.replace(default_policy(), state_dir=str(state_dir), dry_run=False)
+    daemon = Daemon(policy, config_path=str(tmp_path / "none.yaml"))
+    boot = daemon.procfs.boot_id() if saved_boot == "this" else None
+    unfinished = MigUnfinished(_UUID, 1, 19, 6, 1, 5000.0, "failed")
+    flight = ResetInFlight(_UUID, "ghost_memory:x", False, 5000.0, 0.0)
+    plan = PlanState(
+        boot_id=boot,
+        seen={"ghost_memory:x": SeenFinding(5000.0, "d", _UUID, None)},
+        quiet_until={_UUID: 9000.0},
+        reset_history=((_UUID, 1.0e9),),
+        reset_in_flight=flight,
+        signal_history=(("1@2", 5000.0),),
+        scope_latches={"uid:1000": Latch("cap", 1.0e9, 5000.0)},
+        mig_unfinished={_RECOVERY.mig_uuid: unfinished},
+    )
+    state = {"boot_id": boot, "assess": AssessState(boot_id=boot).to_json(), "plan": plan.to_json()}
+    (state_dir / "state.json").write_bytes(STATE.encode(STATE.envelope(state)))
+    for _ in range(2):  # the start's first save, then it dies before its first poll
+        daemon = Daemon(policy, config_path=str(tmp_path / "none.yaml"))
+        daemon._load_state()
+        loaded = daemon.engine.state.plan
+        if boot is not None:
+            assert loaded == plan
+        else:
+            assert (loaded.seen, loaded.quiet_until, loaded.signal_history) == ({}, {}, ())
+            assert loaded.mig_unfinished == {}
+            assert loaded.scope_latches == {"uid:1000": Latch("cap", 1.0e9, None)}
+            assert (loaded.reset_history, loaded.reset_in_flight) == (plan.reset_history, flight)
+        assert daemon.save_state()
+
+
+def test_the_stop_writes_the_last_polls_wall_time_so_a_restart_sees_a_clock_set_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plan's ``last_wall`` is in no save key (it moves every poll), so the file kept the
+    one of the minute's first write, and a start after a stop missed a backward wall-clock
+    step smaller than its age (a reset's time then later than an Xid after it). The stop
+    writes the last poll's."""
+    daemon, _ = _daemon_with_config(tmp_path, "dry_run: true\n")
+    (tmp_path / "state").mkdir(mode=0o700)
+    walls = iter([1200.0, 1230.0])
+
+    def poll() -> None:  # a quiet poll: only its wall time moves
+        daemon.last_poll_wall = wall = next(walls)
+        daemon.engine.state.plan = dataclasses.replace(daemon.engine.state.plan, last_wall=wall)
+        daemon.save_state()
+        daemon._stop = wall == 1230.0
+
+    monkeypatch.setattr(daemon, "poll_once", poll)
+    monkeypatch.setattr(daemon, "_install_signal_handlers", lambda: None)
+    monkeypatch.setattr(daemon, "_wait", lambda: None)
+    assert daemon.run() == ExitCode.OK
+    saved = json.loads((tmp_path / "state" / "state.json").read_text())
+    assert saved["plan"]["last_wall"] == 1230.0

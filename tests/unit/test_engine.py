@@ -20,6 +20,8 @@ from gpuwatchd.core.model import (
     MIB,
     FindingKind,
     GpuInfo,
+    KernelXid,
+    NvmlReading,
     ProcessIdentity,
     Snapshot,
     Spare,
@@ -34,7 +36,8 @@ from gpuwatchd.decide.plan.decisions import set_paused
 from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine.cycle import Engine, EngineState
-from gpuwatchd.engine.edges import Pause
+from gpuwatchd.engine.edges import Pause, TakenXids
+from gpuwatchd.events.words import short
 from tests.support.enginerig import (
     GPU0,
     LEAK,
@@ -51,6 +54,7 @@ from tests.support.enginerig import (
     rig,
 )
 from tests.support.healthcases import GPU0 as HEALTH_GPU
+from tests.support.healthcases import GPU1 as HEALTH_GPU1
 from tests.support.healthcases import gpu, health, snap
 from tests.support.snapshots import HostBuilder, cg_session
 
@@ -420,6 +424,25 @@ def test_a_huge_record_is_shown_cut_in_every_event_of_its_resume(step: str) -> N
     assert max(len(repr(fields)) for _, _, fields in second.sink.events) < 5000
 
 
+@pytest.mark.parametrize(
+    "uuid", ["y" * 100_000, "GPU-1\nforged", GPU0[:13]], ids=["huge", "a-newline", "a-prefix"]
+)
+def test_a_record_whose_uuid_is_no_gpus_is_unreadable_and_never_shown_whole(uuid: str) -> None:
+    """A record's ``uuid`` is the state file's (any string, as large as the file) and was
+    shown whole in ``reset.resumed``, each step's events and the reasons: one not in the
+    format NVML gives a GPU's UUID is an unreadable record, shown cut, and nothing is run."""
+    pol = make_policy("reset: {confirm_for: 0s, cooldown: 1m, after: [{command: [undrain]}]}")
+    state = _interrupted_during_the_reset(pol, uuid=uuid)
+    second = rig(pol, ghost_host, state=state)
+    second.engine.resume_interrupted_reset()
+    (failed,) = second.sink.named(EventName.RESET_RESUME_FAILED)
+    assert str(failed["reason"]).startswith("unreadable reset record {")
+    (resumed,) = second.sink.named(EventName.RESET_RESUMED)
+    assert (resumed["result"], resumed["gpu"]) == ("failed", short(uuid))
+    assert second.actuator.commands == []
+    assert max(len(repr(fields)) for _, _, fields in second.sink.events) < 5000
+
+
 def test_a_stop_before_the_reset_starts_leaves_no_reset_in_flight() -> None:
     """SIGTERM while the poll that hands a reset to act collects: the reset never starts and
     books nothing, so the state the stop saves holds no in-flight marker (nothing would ever
@@ -704,3 +727,22 @@ def test_the_reset_stops_no_monitor_a_spare_or_protect_covers(
     r.poll_at(0.0)
     target = ResetTarget(uuid=GPU0, pci_bus_id=None, minor=0, persistence_was_on=False)
     assert [m.identity.pid for m in r.engine.find_monitors(target)] == stopped, case
+
+
+def test_xids_kept_for_the_next_poll_wait_for_a_poll_that_reads_their_gpu() -> None:
+    """The Xids a reading between polls took (the reset procedure's) went into the next poll
+    whatever it read: with NVML unavailable that poll, or one GPU's health unread, they were
+    dropped, never judged. They wait for a poll that reads their GPU's health (the kernel
+    log's, for one that names GPUs: the collector reads the log only then)."""
+    double_bit = XidEvent(48, 1_700_000_900.0)
+    logged = KernelXid("0000:11:00", 48, 900.0, 900.0, 7)
+    taken = TakenXids()
+    taken.add([gpu(1, HEALTH_GPU1, health(xids=(double_bit,)))], (logged,))
+    unavailable = replace(snap(), nvml=NvmlReading(available=False, error="timed out"))
+    assert taken.first_in(unavailable) == unavailable
+    unread = snap(gpu(0, HEALTH_GPU, health()), gpu(1, HEALTH_GPU1, None))
+    assert taken.first_in(unread).kernel_xids == (logged,)
+    read = taken.first_in(snap(gpu(0, HEALTH_GPU, health()), gpu(1, HEALTH_GPU1, health())))
+    assert [g.health.xids for g in read.nvml.gpus if g.health] == [(), (double_bit,)]
+    again = snap(gpu(1, HEALTH_GPU1, health()))
+    assert taken.first_in(again) == again

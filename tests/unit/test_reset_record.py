@@ -150,27 +150,27 @@ def test_a_damaged_recorded_command_list_changes_nothing_and_is_failed(
 
 
 @pytest.mark.parametrize(
-    ("uuid", "bus", "reset"),
+    ("uuid", "bus", "reset", "why"),
     [
-        ("i", None, ["mig", "-dgi"]),  # every GPU instance of every GPU
-        ("reset", None, ["--gpu-reset"]),  # every GPU
-        ("x", "0", ["--gpu-reset", "-i", "0"]),  # GPU index 0, whichever it is
-        (UUID[:13], None, ["--gpu-reset", "-i", UUID[:13]]),
+        ("i", None, ["mig", "-dgi"], "unreadable"),  # every GPU instance of every GPU
+        ("reset", None, ["--gpu-reset"], "unreadable"),  # every GPU
+        (UUID, "0", ["--gpu-reset", "-i", "0"], "does not name GPU"),  # GPU index 0
+        (UUID[:13], None, ["--gpu-reset", "-i", UUID[:13]], "unreadable"),
     ],
     ids=["one-letter-uuid", "a-word", "an-index-for-bus-id", "a-uuid-prefix"],
 )
 def test_a_record_whose_gpu_names_are_not_a_gpus_never_names_its_gpu(
-    smi: FakeSmi, uuid: str, bus: str | None, reset: list[str]
+    smi: FakeSmi, uuid: str, bus: str | None, reset: list[str], why: str
 ) -> None:
     """The record's own UUID and bus id are hostile too: one not in NVML's format names no
     GPU, however the reset command contains it (a substring test let ``-dgi`` through for a
-    UUID ``i``)."""
+    UUID ``i``), and a record whose UUID is not one is unreadable."""
     record = next(r for r in run_records(smi) if r["step"] == "reset")
     commands = record["commands"]
     assert isinstance(commands, dict)
     commands["reset"] = [[smi.argv()[0], *reset]]  # the fake nvidia-smi: nothing real, ever
     record.update(uuid=uuid, pci_bus_id=bus)
-    resume_fails_untouched(smi, record, make_policy(smi), "does not name GPU")
+    resume_fails_untouched(smi, record, make_policy(smi), why)
 
 
 @pytest.mark.parametrize(

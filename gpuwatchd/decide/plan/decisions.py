@@ -117,23 +117,35 @@ def _check_boot(w: Work, snapshot: Snapshot) -> None:
     if new is None:
         return
     if old is not None and old != new:
-        # Monotonic times and process identities mean nothing after a reboot; wall-time reset
-        # history, the circuit breaker, forced dry-run and pause are kept.
         dropped = len(w.ladders)
         w.event(EventName.STATE_BOOT_CHANGED, Level.INFO, old=old, new=new, dropped_ladders=dropped)
-        w.seen, w.ladders, w.quiet_until, w.signal_history = {}, {}, {}, []
-        w.signal_scopes = {}
-        w.health_waits = {}
-        w.reset_refusals = {}  # a reboot resets every GPU
-        w.health_drained = {}
-        w.shadow.new_boot()
-        # Latches hold on: their monotonic anchors are of the old boot (anchored again).
-        w.scope_latches = {k: replace(v, since_monotonic=None) for k, v in w.scope_latches.items()}
-        w.notes = {k: v for k, v in w.notes.items() if k.startswith("node:")}
-        # ... and takes every MIG instance down: a half-done recovery is no longer half done.
-        w.state = replace(w.state, reset_in_flight=None, forced_since_monotonic=None,
-                          mig_unfinished={})  # fmt: skip
+        _forget_boot(w)
     w.state = replace(w.state, boot_id=new)
+
+
+def another_boots(state: PlanState) -> PlanState:
+    """``state`` less what a poll reading a new boot id drops: for the start, which takes a
+    state saved with no boot id for another boot's (daemon/lifecycle.py)."""
+    w = Work(state)
+    _forget_boot(w)
+    return w.freeze()
+
+
+def _forget_boot(w: Work) -> None:
+    # Monotonic times and process identities mean nothing after a reboot; wall-time reset
+    # history, the circuit breaker, forced dry-run and pause are kept.
+    w.seen, w.ladders, w.quiet_until, w.signal_history = {}, {}, {}, []
+    w.signal_scopes = {}
+    w.health_waits = {}
+    w.reset_refusals = {}  # a reboot resets every GPU
+    w.health_drained = {}
+    w.shadow.new_boot()
+    # Latches hold on: their monotonic anchors are of the old boot (anchored again).
+    w.scope_latches = {k: replace(v, since_monotonic=None) for k, v in w.scope_latches.items()}
+    w.notes = {k: v for k, v in w.notes.items() if k.startswith("node:")}
+    # ... and takes every MIG instance down: a half-done recovery is no longer half done.
+    w.state = replace(w.state, reset_in_flight=None, forced_since_monotonic=None,
+                      mig_unfinished={})  # fmt: skip
 
 
 def _track_findings(w: Work, ctx: Ctx) -> None:

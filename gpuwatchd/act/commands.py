@@ -94,6 +94,11 @@ class CommandScope:
     def fileno(self) -> int:
         return self._read
 
+    def close(self) -> None:
+        """Close the scope's pipe; only for a scope that never runs a command."""
+        os.close(self._read)
+        os.close(self._write)
+
     def adopt(self, keeper: subprocess.Popen[bytes]) -> None:
         """Keep ``keeper``, whose command exited leaving processes that run on."""
         with self._lock:

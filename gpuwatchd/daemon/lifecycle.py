@@ -224,7 +224,12 @@ class Daemon:
                 held.enter_context(self.store.directory().lock())
             except AlreadyRunning as exc:
                 if self.once:
-                    raise  # run_daemon waits for the running daemon instead (cli/once.py)
+                    # run_daemon waits for the running daemon instead (cli/once.py), making a
+                    # successor each time the lock's holder stops: this one's pipes go unused.
+                    self.actuator.commands.close()
+                    os.close(self._wakeup_r)
+                    os.close(self._wakeup_w)
+                    raise
                 log.error(EventName.DAEMON_ALREADY_RUNNING, detail=str(exc), state_dir=state_dir)
                 return ExitCode.TEMPFAIL
             except OSError as exc:

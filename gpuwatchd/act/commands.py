@@ -27,6 +27,9 @@ from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.decide.policy import Hook
 
 COMMAND_ID_VARIABLE = "GPUWATCHD_COMMAND_ID"  # marks a command and its descendants
+# systemd's notification socket and watchdog, given to the daemon alone (sd_notify(3)): a
+# command's sd_notify would speak for the daemon, or be refused and logged (NotifyAccess=main).
+_DAEMONS_OWN = frozenset({"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"})
 OUTPUT_LIMIT = 64 * 1024  # bytes of a command's output kept (the tail)
 KEEPER_FILE = str(Path(__file__).resolve().with_name("reaper.py"))
 _TICK = 0.05  # poll interval when pidfds are unavailable
@@ -90,6 +93,11 @@ class CommandScope:
 
     def fileno(self) -> int:
         return self._read
+
+    def close(self) -> None:
+        """Close the scope's pipe; only for a scope that never runs a command."""
+        os.close(self._read)
+        os.close(self._write)
 
     def adopt(self, keeper: subprocess.Popen[bytes]) -> None:
         """Keep ``keeper``, whose command exited leaving processes that run on."""
@@ -178,7 +186,9 @@ def run_command(
     marker = f"{COMMAND_ID_VARIABLE}={uuid.uuid4().hex}"
     # A hook written in Python must not import code from wherever the daemon was started.
     child_env = {
-        k: v for k, v in (os.environ if env is None else env).items() if not k.startswith("PYTHON")
+        k: v
+        for k, v in (os.environ if env is None else env).items()
+        if not k.startswith("PYTHON") and k not in _DAEMONS_OWN
     }
     child_env[COMMAND_ID_VARIABLE] = marker.partition("=")[2]
     status_read, status_write = os.pipe()

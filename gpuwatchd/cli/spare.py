@@ -70,6 +70,7 @@ def spare_command(
         key, pid, job = parse_target(target)
     except ValueError as exc:
         raise CliError(f"{exc}; nothing is spared", ExitCode.CONFIG) from exc
+    _refuse_a_pid_not_the_hosts(policy, procfs, target, pid=pid, cancel=cancel)
     if cancel:  # the spare of key ended now, and whether there was one said
         with StateDir.open(policy.state_dir, create=True) as state_dir:
             gone = cancel_spare(state_dir, key)
@@ -117,6 +118,21 @@ def _no_target(*, cancel: bool) -> CliError:
     else:
         what = "needs a target (PID or job:ID): nothing is spared"
     return CliError(f"spare {what}", ExitCode.CONFIG)
+
+
+def _refuse_a_pid_not_the_hosts(
+    policy: Policy, procfs: ProcFS, target: str, *, pid: int | None, cancel: bool
+) -> None:
+    """The daemon reads a spare's PID as a host PID: one given in another PID namespace (a
+    container without hostPID) names another process there, so a PID target is refused where
+    this process is not known to see the host's PIDs, unless ``namespace_check`` is off."""
+    if pid is not None and policy.namespace_check and procfs.sees_host_pids() is not True:
+        raise CliError(
+            f"spare {target}: not run in the host PID namespace (or cannot tell), where the "
+            "daemon reads PIDs: the PID may name another process there; nothing is "
+            + ("changed" if cancel else "spared"),
+            ExitCode.CONFIG,
+        )
 
 
 def _start_ticks(procfs: ProcFS, pid: int, boot_id: str | None, target: str) -> int:

@@ -157,17 +157,23 @@ class ProcFS:
     def sees_host_namespaces(self) -> bool | None:
         """Whether this process is in the host's (initial) PID and cgroup namespaces, and so is
         ``<root>/1`` where readable (docs/internals.md); None when our own links are unreadable."""
-        pid_ns = _ns_link(f"{self.root}/self/ns/pid")
-        if pid_ns is None or isinstance(pid_ns, OSError):
-            return None
-        if pid_ns != PROC_PID_INIT_INO:
-            return False
+        pids = self.sees_host_pids()
+        if pids is not True:
+            return pids
         cgroup_ns = _ns_link(f"{self.root}/self/ns/cgroup")
         if isinstance(cgroup_ns, FileNotFoundError):
             cgroup_ns = PROC_CGROUP_INIT_INO
         if isinstance(cgroup_ns, OSError):
             return None
-        if cgroup_ns != PROC_CGROUP_INIT_INO:
+        return cgroup_ns == PROC_CGROUP_INIT_INO
+
+    def sees_host_pids(self) -> bool | None:
+        """Whether this process, and ``<root>/1`` where readable, are in the host's (initial)
+        PID namespace: a PID read here is the host's; None when our own link is unreadable."""
+        pid_ns = _ns_link(f"{self.root}/self/ns/pid")
+        if pid_ns is None or isinstance(pid_ns, OSError):
+            return None
+        if pid_ns != PROC_PID_INIT_INO:
             return False
         init_ns = _ns_link(f"{self.root}/1/ns/pid")
         return isinstance(init_ns, OSError) or init_ns in (None, PROC_PID_INIT_INO)

@@ -224,7 +224,12 @@ class Daemon:
                 held.enter_context(self.store.directory().lock())
             except AlreadyRunning as exc:
                 if self.once:
-                    raise  # run_daemon waits for the running daemon instead (cli/once.py)
+                    # run_daemon waits for the running daemon instead (cli/once.py), making a
+                    # successor each time the lock's holder stops: this one's pipes go unused.
+                    self.actuator.commands.close()
+                    os.close(self._wakeup_r)
+                    os.close(self._wakeup_w)
+                    raise
                 log.error(EventName.DAEMON_ALREADY_RUNNING, detail=str(exc), state_dir=state_dir)
                 return ExitCode.TEMPFAIL
             except OSError as exc:
@@ -608,13 +613,13 @@ class Daemon:
     def _wait(self) -> None:
         """Sleep until the next poll or deadline, waking at once for exits and signals."""
         until = self.clock() if self.report is None else self.report.wake_at
-        watch_fd = self.device_watch.fileno()
+        watch_fd, serving = self.device_watch.fileno(), True
         while not self._stop and not self._reload:
             remaining = until - self.clock()
             if remaining <= 0:
                 return
             poller = select.poll()
-            server_fd = self._serving.fileno()  # a scan asks
+            server_fd = self._serving.fileno() if serving else None  # a scan asks
             for fd in (self._wakeup_r, *self.signaller.fileno_list(), watch_fd, server_fd):
                 if fd is not None:
                     poller.register(fd, select.POLLIN)
@@ -630,7 +635,7 @@ class Daemon:
                 early = early_poll_at(self.last_poll_monotonic, self.clock(), self.policy.interval)
                 until, watch_fd = min(until, early), None  # read at the poll, not here
             if server_fd is not None and server_fd in readable:
-                self._serving.answer()  # after the watch: an open just seen declines it
+                serving = self._serving.answer()  # after the watch: an open just seen declines it
             exited = self.signaller.wait(0)
             self.engine.note_exits(exited)
             if exited:

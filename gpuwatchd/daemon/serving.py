@@ -116,10 +116,13 @@ class ScanServing:
         """The listening socket to wait on, None when not listening."""
         return None if self._server is None else self._server.fileno()
 
-    def answer(self) -> None:
-        """Answer the scans waiting now (the daemon's wait saw its socket readable)."""
+    def answer(self) -> bool:
+        """Answer the scans waiting now (the daemon's wait saw its socket readable); False
+        when a connection could not be accepted (out of file descriptors): it stays queued and
+        the socket readable, so the wait leaves it until the next poll."""
         if self._server is not None:
             self._server.serve()
+        return self._server is None or not self._server.accept_failed
 
     def close(self) -> None:
         if self._server is not None:

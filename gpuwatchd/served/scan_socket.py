@@ -155,6 +155,7 @@ class ScanServer:
         self._inode: tuple[int, int] | None = None
         self.answered = 0
         self.declined = 0
+        self.accept_failed = False  # the last serve's accept failed (EMFILE: still queued)
 
     def start(self, dir_fd: int) -> str | None:
         """Listen on :data:`SOCKET_NAME` in the directory open as ``dir_fd`` (kept open here
@@ -192,6 +193,7 @@ class ScanServer:
     def serve(self) -> int:
         """Answer the connections waiting now (at most :data:`MAX_PER_WAKE`); how many."""
         served = 0
+        self.accept_failed = False
         while self._sock is not None and served < MAX_PER_WAKE:
             try:
                 conn, _ = self._sock.accept()
@@ -199,6 +201,7 @@ class ScanServer:
                 break
             except OSError as err:
                 self._on_error(f"accept: {err.strerror or err}")
+                self.accept_failed = True
                 break
             served += 1
             with conn:

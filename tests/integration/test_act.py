@@ -603,3 +603,17 @@ def test_a_command_gets_no_python_settings_from_the_caller(
     assert result.output.strip() == "[]"
     given = run_command([sys.executable, "-c", code], timeout=10, env={"PYTHONPATH": "/x"})
     assert given.output.strip() == "[]"
+
+
+def test_a_command_gets_no_systemd_notification_socket_or_watchdog_of_the_daemons(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """systemd gives them to the daemon alone: a hook or reset command that inherited them
+    (systemd-notify, a library's sd_notify) spoke for the daemon or was refused and logged."""
+    own = {"NOTIFY_SOCKET": "/run/systemd/notify", "WATCHDOG_USEC": "30000000"}
+    for name, value in {**own, "WATCHDOG_PID": str(os.getpid())}.items():
+        monkeypatch.setenv(name, value)
+    code = "import os; print(sorted(k for k in os.environ if 'NOTIFY' in k or 'WATCHDOG' in k))"
+    assert run_command([sys.executable, "-c", code], timeout=10).output.strip() == "[]"
+    hooked = run_command([sys.executable, "-c", code], timeout=10, env={**os.environ, **own})
+    assert hooked.output.strip() == "[]"  # run_hooks hands the daemon's environment over

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import resource
 import signal
+import socket
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import structlog
@@ -47,6 +51,7 @@ from gpuwatchd.decide.plan.state import (
 from gpuwatchd.decide.verdict import UNREADABLE
 from gpuwatchd.engine.edges import Pause, PollReport
 from gpuwatchd.events.catalogue import render
+from gpuwatchd.served.scan_socket import SOCKET_NAME, ScanAnswer
 from gpuwatchd.state.saved import STATE
 from tests.support.enginerig import Actuator, Clock, Reader, ghost_host
 from tests.support.resetrig import instance_gpu
@@ -310,6 +315,37 @@ def test_a_reload_turns_the_namespace_check_on(tmp_path: Path) -> None:
     daemon._do_reload()
     assert daemon.policy.namespace_check
     assert daemon.collector.namespace_check
+
+
+def test_a_scan_that_cannot_be_accepted_is_tried_once_until_the_next_poll(tmp_path: Path) -> None:
+    """accept() out of file descriptors leaves the connection queued and scan.sock readable:
+    the wait woke at once, again and again until the next poll, saying
+    daemon.scan_request_failed on every pass. It leaves the socket until the next poll now."""
+    policy = dataclasses.replace(default_policy(), state_dir=str(tmp_path / "st"), dry_run=True)
+    refused = ScanAnswer(False, "not now")
+    daemon = Daemon(policy, config_path="/nonexistent.yaml", scan_answer=lambda *_: refused)
+    daemon._serving.listen()
+    daemon.report = SimpleNamespace(wake_at=daemon.clock() + 0.5)  # type: ignore[assignment]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held: list[int] = []
+    with socket.socket(socket.AF_UNIX) as scan:
+        scan.connect(str(tmp_path / "st" / SOCKET_NAME))  # queued: the daemon's accept is next
+        try:
+            top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (top + 16, hard))
+            with contextlib.suppress(OSError):
+                while True:  # every descriptor below the limit taken
+                    held.append(os.dup(0))
+            with capture_logs() as logs:
+                daemon._wait()
+        finally:
+            for fd in held:
+                os.close(fd)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            daemon._serving.close()
+            daemon.host.close()
+    failed = [e for e in logs if e["event"] == EventName.DAEMON_SCAN_REQUEST_FAILED]
+    assert [e["problem"] for e in failed] == ["accept: Too many open files"]
 
 
 def test_a_reload_says_the_log_format_needs_a_restart_and_keeps_it(tmp_path: Path) -> None:

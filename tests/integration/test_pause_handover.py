@@ -19,7 +19,7 @@ from structlog.testing import capture_logs
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.config.schema import default_policy
 from gpuwatchd.daemon.lifecycle import Daemon
-from gpuwatchd.state.directory import StateDir
+from gpuwatchd.state.directory import AlreadyRunning, StateDir
 from gpuwatchd.state.pause import (
     ENDED_JOB_PREFIX,
     MAX_ENDED_JOBS,
@@ -308,6 +308,20 @@ def test_run_once_going_on_alone_keeps_when_the_scheduler_said_it(
     assert seen == {"handed": {"slurm:42": 777}, "successor": {"slurm:42": 777}}
     assert files(tmp_path) == []  # withdrawn
     refused.store.close()
+
+
+def test_a_run_once_refused_the_lock_leaves_no_pipe_open(tmp_path: Path, state: StateDir) -> None:
+    """``run --once`` makes a successor each time the instance it waits on stops, and another
+    may take the lock first: each refused instance left its wake-up and command pipes open (4
+    fds), so a long wait beside epilogs taking turns ran out of file descriptors."""
+    policy = dataclasses.replace(default_policy(), state_dir=str(tmp_path), dry_run=True)
+    with state.lock():
+        before = sorted(os.listdir("/proc/self/fd"))
+        for _ in range(3):
+            refused = Daemon(policy, config_path="/nonexistent/gpuwatchd.yaml", once=True)
+            with pytest.raises(AlreadyRunning):
+                refused.run()
+        assert sorted(os.listdir("/proc/self/fd")) == before
 
 
 def test_the_hand_over_of_an_epilog_waiting_more_than_a_day_is_honoured(

@@ -22,6 +22,7 @@ from gpuwatchd.cli.main import main
 from gpuwatchd.cli.status import describe
 from gpuwatchd.cli.status_text import render_text
 from gpuwatchd.collect.boottime import BootTime
+from gpuwatchd.collect.procfs import PROC_PID_INIT_INO
 from gpuwatchd.config.schema import default_policy
 from gpuwatchd.core.model import CgroupInfo, NvmlReading, ProcessInfo, Spare
 from gpuwatchd.core.vocabulary import EventName
@@ -35,10 +36,12 @@ from gpuwatchd.state import pause
 from gpuwatchd.state.directory import StateDir
 from gpuwatchd.state.pause import PAUSE_FILE, RESUMED_FILE, note_resume, poll_pause, set_pause
 from gpuwatchd.state.spares import MAX_SPARES, cancel_spare, parse_target, read_spares, write_spare
+from tests.support.fakeproc import FakeProc
 from tests.support.plancases import orphan, policy, proc, signals, snap
 from tests.support.statusrig import with_document
 
 NOW = 1_800_000_000.0
+OTHER_NS = 4026532999  # a PID namespace not the host's
 DAY = 86400.0
 
 
@@ -591,6 +594,51 @@ def test_spare_of_a_thread_id_is_refused_naming_its_process(
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.parametrize(
+    ("pid_ns", "init_ns"),
+    [
+        (OTHER_NS, None),  # a container without hostPID: refused
+        (None, None),  # cannot tell (no namespace link): refused
+        (PROC_PID_INIT_INO, OTHER_NS),  # the /proc of a container: refused
+        (PROC_PID_INIT_INO, PROC_PID_INIT_INO),  # hostPID, a private cgroup namespace: spared
+    ],
+)
+def test_spare_by_pid_outside_the_host_pid_namespace_is_refused(
+    tmp_path: Path,
+    fake: FakeProc,
+    capsys: pytest.CaptureFixture[str],
+    pid_ns: int | None,
+    init_ns: int | None,
+) -> None:
+    """A PID read in a container's PID namespace was written as the daemon reads it, a host
+    PID: another process was spared (and its cancel ended another's spare). Refused now,
+    unless namespace_check is off (the tests' own); a cgroup namespace changes no PID
+    (``kubectl exec`` into the hostPID DaemonSet's pod)."""
+    fake.add(1, comm="systemd", ppid=0)
+    fake.add(300, starttime=4242)
+    fake.add(600)
+    if pid_ns is not None:
+        fake.set_self(600, pid_ns=pid_ns, cgroup_ns=OTHER_NS)
+    if init_ns is not None:
+        (fake.root / "1" / "ns").mkdir()
+        (fake.root / "1" / "ns" / "pid").symlink_to(f"pid:[{init_ns}]")
+    config = tmp_path / "c.yaml"
+    config.write_text(f"state_dir: {tmp_path}/st\nproc_root: {fake.root}\n")
+    args = ["spare", "--config", str(config), "300"]
+    if init_ns != PROC_PID_INIT_INO:
+        assert main([*args, "--for", "1h", "--reason", "r"]) == 78
+        assert main(["spare", "--config", str(config), "--cancel", "300"]) == 78
+        said = "not run in the host PID namespace (or cannot tell), where the daemon reads "
+        said += "PIDs: the PID may name another process there; nothing is"
+        assert capsys.readouterr().err == (
+            f"gpuwatchd: spare 300: {said} spared\ngpuwatchd: spare 300: {said} changed\n"
+        )
+        assert not list(tmp_path.glob("st/spare-*"))
+        config.write_text(config.read_text() + "namespace_check: false\n")
+    assert main([*args, "--for", "1h", "--reason", "r"]) == 0
+    assert "pid 300 (start ticks 4242) is spared" in capsys.readouterr().out
 
 
 def test_status_lists_the_daemons_spares() -> None:

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -125,6 +126,69 @@ def test_a_pause_longer_than_max_pause_is_cut_to_it_and_the_cut_written(
     assert json.loads(state.read(PAUSE_FILE, 4096))["until"] == end
     ended = poll_pause(state, BootTime(end, 1000.0 + end - NOW, "b1"), max_pause=DAY)
     assert ended.reason is None
+
+
+@pytest.mark.parametrize(
+    "case",
+    [("resume", 2, None), ("pause", 1, "new")],
+    ids=["resume during a cut", "pause at its end"],
+)
+def test_an_admins_pause_or_resume_beside_the_daemons_rewrite_is_never_undone(
+    state: StateDir,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    case: tuple[str, int, str | None],
+) -> None:
+    """The daemon cut a pause (or removed an ended one) by read, compare, write: a resume (or
+    a new pause) landing after its last read was undone, though resume said "actions
+    resumed". The admin's command lands there (the daemon's ``nth_read`` of the pause file)
+    and must wait for the daemon, then win."""
+    change, nth_read, left = case
+    seconds = 365 * DAY if change == "resume" else 60.0
+    set_pause(state, reason="old", clock=BootTime(NOW, 1000.0, "b1"), seconds=seconds)
+    landed, reads, read = threading.Event(), [0], state.read
+    threads: list[threading.Thread] = []
+
+    def waiting(seconds: float) -> None:
+        landed.set()
+        time.sleep(seconds)
+
+    def admin() -> None:
+        with StateDir.open(str(tmp_path)) as own:
+            monkeypatch.setattr(own, "sleep", waiting)
+            reason = None if change == "resume" else "new"
+            set_pause(own, reason=reason, clock=BootTime(NOW + 60, 1060.0, "b1"), seconds=60)
+        landed.set()
+
+    def daemons_read(name: str, limit: int) -> bytes:
+        raw = read(name, limit)
+        reads[0] += name == PAUSE_FILE
+        if name == PAUSE_FILE and reads[0] == nth_read:
+            threads.append(threading.Thread(target=admin))
+            threads[0].start()  # joined below
+            assert landed.wait(10)  # done, or waiting for the daemon
+        return raw
+
+    monkeypatch.setattr(state, "read", daemons_read)
+    poll_pause(state, BootTime(NOW + 60, 1060.0, "b1"), max_pause=DAY)
+    threads[0].join(10)
+    monkeypatch.undo()
+    now = pause.pause_in_force(state, BootTime(NOW + 70, 1070.0, "b1"), max_pause=DAY)
+    assert now.reason == left
+
+
+def test_resume_while_the_switches_lock_stays_taken_changes_nothing_and_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(f"state_dir: {tmp_path}/st\n")
+    assert main(["pause", "--config", str(config), "--reason", "x"]) == 0
+    monkeypatch.setattr(StateDir, "sleep", staticmethod(lambda seconds: None))
+    with StateDir.open(str(tmp_path / "st")) as held, held.switch_lock():
+        assert main(["resume", "--config", str(config)]) == 74
+    assert "switches.lock" in capsys.readouterr().err
+    assert (tmp_path / "st" / PAUSE_FILE).exists()
+    assert main(["resume", "--config", str(config)]) == 0
 
 
 def test_a_pause_file_from_before_the_boot_clock_ends_by_its_wall_end(state: StateDir) -> None:

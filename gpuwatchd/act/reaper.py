@@ -169,13 +169,14 @@ def main(argv: list[str]) -> int:
         if not finished and child is not None and child in killed:
             # Ended by the sweep; unknown (None) if it is stuck in the kernel still.
             report["returncode"] = None if _stat(child) is not None else -signal.SIGKILL
-        with contextlib.suppress(OSError):  # (a signal may have cut the first send short)
-            _send(status_fd, report)
+        _send(status_fd, report)  # (a signal may have cut the first send short)
     return 0
 
 
 def _send(status_fd: int, report: dict[str, object]) -> None:
-    with os.fdopen(status_fd, "w") as out:
+    """Write the report and close ``status_fd``; a daemon gone (no reader: EPIPE) is no
+    error, the keeper ends what it keeps all the same."""
+    with contextlib.suppress(OSError), os.fdopen(status_fd, "w") as out:
         out.write(json.dumps(report) + "\n")
 
 

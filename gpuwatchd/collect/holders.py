@@ -233,7 +233,7 @@ class DeviceFiles:
             return self.match_rdev(stat_cached(f"{base}/map_files/{address}")), True
         if not path.endswith(" (deleted)"):
             with contextlib.suppress(OSError):
-                st = os.stat(f"{base}/root{path}")
+                st = stat_cached(f"{base}/root{path}")
                 if str(st.st_ino).encode() == inode:
                     return self.match_rdev(st), True
         if "/dev/" not in path:

@@ -22,7 +22,7 @@ from gpuwatchd.collect.cgroups import (
     parse_cgroup,
     parse_systemd_mount,
 )
-from gpuwatchd.collect.statfiles import GONE_ERRNOS, is_procfs, read_proc_file
+from gpuwatchd.collect.statfiles import GONE_ERRNOS, is_procfs, read_proc_file, stat_cached
 from gpuwatchd.core.checked import decimal
 from gpuwatchd.core.model import CgroupInfo, ProcessInfo
 from gpuwatchd.core.procstat import StatFields, parse_stat
@@ -312,14 +312,15 @@ class ProcFS:
         """Whether the program ``pid`` runs is one only root can have put where it is: the
         running file (``/proc/PID/exe`` followed) and its directory in the process's own root
         are root's and writable by neither group nor others. False when deleted; None when
-        unreadable (gone, or no privilege)."""
+        unreadable (gone, or no privilege). Their attributes are the kernel's (stat_cached:
+        a user's FUSE server that never answers stalls no scan)."""
         if exe is None:
             return None
         if exe.endswith(" (deleted)") or not exe.startswith("/"):
             return False
         try:
-            program = os.stat(f"{self.root}/{pid}/exe")
-            folder = os.stat(f"{self.root}/{pid}/root{os.path.dirname(exe)}")
+            program = stat_cached(f"{self.root}/{pid}/exe")
+            folder = stat_cached(f"{self.root}/{pid}/root{os.path.dirname(exe)}")
         except OSError:
             return None
         return (

@@ -12,10 +12,13 @@ import errno
 import fcntl
 import os
 import stat
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 LOCK_FILE = "lock"
+SWITCH_LOCK_FILE = "switches.lock"  # held a moment by pause, resume and the daemon's rewrite
+_SWITCH_TRIES = 200  # tries at it, 10 ms apart: about 2 s
 _PATH = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY
@@ -225,11 +228,16 @@ class StateDir:
         False for a file only other processes read while this one runs."""
         replace_file(self.fd, name, data, mode=mode, sync=sync)
 
-    def rewrite(self, name: str, raw: bytes, data: bytes, limit: int) -> None:
-        """Replace ``name`` with ``data`` unless it changed since it was read (``limit`` bytes)
-        as ``raw`` (a new file is the administrator's); on OSError (a full disk) not written."""
-        with contextlib.suppress(OSError):
-            if self.read(name, limit) == raw:
+    def rewrite(self, name: str, raw: bytes, data: bytes | None, limit: int) -> None:
+        """Replace ``name`` with ``data`` (None: remove it) unless it changed since it was read
+        (``limit`` bytes) as ``raw`` (a new file is the administrator's), holding the switches'
+        lock (:meth:`switch_lock`); on OSError (a full disk, the lock taken) nothing changes."""
+        with contextlib.suppress(OSError), self.switch_lock():
+            if self.read(name, limit) != raw:
+                return
+            if data is None:
+                self.discard(name)
+            else:
                 self.write(name, data)
 
     def remove(self, name: str) -> bool:
@@ -252,15 +260,44 @@ class StateDir:
         """The entries whose names start with ``prefix``, sorted."""
         return sorted(name for name in os.listdir(self.fd) if name.startswith(prefix))
 
-    # -- the instance lock ---------------------------------------------------------------------
+    # -- the locks -----------------------------------------------------------------------------
+
+    sleep: Callable[[float], None] = time.sleep  # between tries at the switches' lock
+
+    def _lock_file(self, name: str) -> int:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | _FILE, 0o600, dir_fd=self.fd)
+        try:
+            self._trusted(fd, name)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    @contextlib.contextmanager
+    def switch_lock(self) -> Iterator[None]:
+        """Hold the switches' lock for the ``with`` block, so a read-compare-write of a switch
+        never undoes another's change in between (docs/internals.md); BlockingIOError when
+        it stays taken for 2 s."""
+        fd = self._lock_file(SWITCH_LOCK_FILE)
+        try:
+            for _ in range(_SWITCH_TRIES):
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    self.sleep(0.01)
+            else:
+                why = f"{SWITCH_LOCK_FILE} is held by another command or the daemon"
+                raise BlockingIOError(errno.EWOULDBLOCK, why, self.join(SWITCH_LOCK_FILE))
+            yield
+        finally:
+            os.close(fd)  # the lock with it
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
         """Hold the instance lock for the ``with`` block; AlreadyRunning when it is taken."""
-        flags = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | _FILE
-        fd = os.open(LOCK_FILE, flags, 0o600, dir_fd=self.fd)
+        fd = self._lock_file(LOCK_FILE)
         try:
-            self._trusted(fd, LOCK_FILE)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:

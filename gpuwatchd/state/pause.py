@@ -52,16 +52,18 @@ def set_pause(
     seconds: float | None = None,
 ) -> None:
     """Pause (``reason`` a string, may be empty) for ``seconds`` from ``clock`` (now), the
-    note of a resume the daemon has not seen discarded; or resume (``reason`` None)."""
-    if reason is None:
-        state_dir.discard(PAUSE_FILE)
-        return
-    stamp: dict[str, object] = {"since": time.time(), "until": None}
-    if clock is not None and seconds is not None:
-        stamp = clock.stamp(seconds)
-    body = {"reason": reason[:MAX_REASON], **stamp, "by_uid": os.getuid()}
-    state_dir.write(PAUSE_FILE, PAUSE.encode(body))
-    state_dir.remove(RESUMED_FILE)  # it would explain the next resume, which may have none
+    note of a resume the daemon has not seen discarded; or resume (``reason`` None). Both
+    hold the switches' lock, so the daemon's cut or end of a pause never undoes them."""
+    with state_dir.switch_lock():
+        if reason is None:
+            state_dir.discard(PAUSE_FILE)
+            return
+        stamp: dict[str, object] = {"since": time.time(), "until": None}
+        if clock is not None and seconds is not None:
+            stamp = clock.stamp(seconds)
+        body = {"reason": reason[:MAX_REASON], **stamp, "by_uid": os.getuid()}
+        state_dir.write(PAUSE_FILE, PAUSE.encode(body))
+        state_dir.remove(RESUMED_FILE)  # it would explain the next resume, which may have none
 
 
 def read_pause_switch(state_dir: StateDir) -> PauseSwitch | None:
@@ -140,8 +142,8 @@ def poll_pause(state_dir: StateDir, clock: BootTime, *, max_pause: float) -> Pau
     cut written into its file; with no pause file, the resume note consumed as ``resumed``."""
     switch = read_pause_switch(state_dir)
     now = _in_force(switch, clock, max_pause)
-    if now.resumed is not None:
-        state_dir.remove(PAUSE_FILE)
+    if now.resumed is not None and switch is not None:  # unless a new pause replaced it
+        state_dir.rewrite(PAUSE_FILE, switch.raw, None, MAX_PAUSE_FILE)
     elif now.reason is None:
         note = _take_resume_note(state_dir)
         return Pause(None, resumed=f"gpuwatchd resume: {note}" if note else "gpuwatchd resume")

@@ -84,12 +84,14 @@ def write_spare(
         "reason": reason[:MAX_REASON],
         "by_uid": os.getuid(),
     }
-    state_dir.write(hashed_name(SPARE_PREFIX, target), SPARE.encode(body))
+    with state_dir.switch_lock():  # never undone by the daemon's cut (StateDir.rewrite)
+        state_dir.write(hashed_name(SPARE_PREFIX, target), SPARE.encode(body))
 
 
 def cancel_spare(state_dir: StateDir, target: str) -> bool:
     """End the spare of ``target`` now; False when there was none."""
-    return state_dir.remove(hashed_name(SPARE_PREFIX, target))
+    with state_dir.switch_lock():
+        return state_dir.remove(hashed_name(SPARE_PREFIX, target))
 
 
 @dataclass(frozen=True)

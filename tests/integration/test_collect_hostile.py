@@ -29,6 +29,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from gpuwatchd.collect.collector import Collector
+from gpuwatchd.collect.holders import DeviceFiles, HolderScanner
 from gpuwatchd.collect.jobs import cgroup2_mount
 from gpuwatchd.collect.nvml import (
     LAUNCHER_FILE,
@@ -515,6 +516,36 @@ def test_a_file_named_like_a_device_on_a_file_system_that_never_answers_stalls_n
         holder.kill()
         holder.wait(timeout=10)
     assert found == [HolderScan(mode="targeted")]
+
+
+def test_a_program_or_mapping_on_a_file_system_that_never_answers_stalls_no_look_up(
+    fake: FakeProc, tmp_path: Path
+) -> None:
+    """The same file system (a FUSE server that answers no stat) under the two other looks at
+    a file by path: ``exe_trusted`` (a process named like infrastructure runs a program from
+    it) and a mapping's ``/proc/PID/root`` fallback (``map_files`` unreadable)."""
+    try:
+        fuse = HangingFuse(tmp_path / "nvidia-data").start()
+    except Unavailable as why:
+        pytest.skip(f"no FUSE: {why}")
+    fake.add(800, exe=str(fuse.file))
+    fake.set_root_link(800, "/")
+    fake.add_mapping(800, str(fuse.file), inode=2)  # the server's inode of its file
+    procfs = ProcFS(str(fake.root))
+    holders = HolderScanner(procfs, DeviceFiles(procfs, match_by_path=False, device_major=1))
+    found: list[object] = []
+    try:
+        fuse.hang_getattr = True
+        look = threading.Thread(
+            target=lambda: found.extend([procfs.exe_trusted(800, str(fuse.file)), holders.scan()]),
+            daemon=True,
+        )
+        look.start()
+        look.join(timeout=5)
+        assert not look.is_alive(), "the look-up waits on the FUSE server"
+    finally:
+        fuse.close()  # aborts the connection: a look-up still waiting ends
+    assert found == [True, HolderScan(mode="full")]  # root's file in root's folder; no device
 
 
 def test_a_listed_owner_whose_stat_fails_to_read_is_not_dead_and_its_worker_no_orphan(

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -23,7 +24,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from gpuwatchd.act.commands import CommandResult, CommandScope, run_command
+from gpuwatchd.act.commands import KEEPER_FILE, CommandResult, CommandScope, run_command
 from gpuwatchd.config.schema import default_policy
 from gpuwatchd.core.vocabulary import HookName
 from gpuwatchd.daemon.lifecycle import Daemon
@@ -109,6 +110,25 @@ def test_what_a_command_leaves_running_when_it_exits_dies_at_its_deadline(
         assert scope.lingering == 1
         assert _gone(escaped, timeout=3.0), "the exited command's child outlived its deadline"
         assert scope.wait(2.0)
+    finally:
+        _cleanup(escaped)
+
+
+def test_what_a_command_leaves_running_dies_at_its_deadline_also_when_the_daemon_died(
+    tmp_path: Path,
+) -> None:
+    """The daemon died before the command exited: the keeper's report had no reader, its
+    write raised, and the keeper exited at once, leaving the child to run on for good."""
+    pid_file, (status_read, status_write) = tmp_path / "pid", os.pipe()
+    os.close(status_read)  # the daemon's end, gone
+    argv = [sys.executable, "-I", "-S", KEEPER_FILE, str(status_write), "2.0", "--"]
+    argv += [sys.executable, "-c", ESCAPES, str(pid_file), "exit"]
+    keeper = subprocess.Popen(argv, stdout=subprocess.DEVNULL, pass_fds=(status_write,))
+    os.close(status_write)
+    escaped = _escaped(pid_file)
+    try:
+        assert keeper.wait(10) == 0
+        assert _gone(escaped, timeout=1.0), "the child outlived the keeper and its deadline"
     finally:
         _cleanup(escaped)
 

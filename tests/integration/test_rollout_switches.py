@@ -4,14 +4,16 @@ itself, and NVML's availability as a state whose return is an event."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +130,82 @@ def test_a_pause_longer_than_max_pause_is_cut_to_it_and_the_cut_written(
     assert json.loads(state.read(PAUSE_FILE, 4096))["until"] == end
     ended = poll_pause(state, BootTime(end, 1000.0 + end - NOW, "b1"), max_pause=DAY)
     assert ended.reason is None
+
+
+@contextlib.contextmanager
+def admin_in_the_daemons_read(
+    state: StateDir, nth_read: int, change: Callable[[StateDir], None]
+) -> Iterator[None]:
+    """Run ``change`` (an admin's command, its own StateDir) right after the daemon's
+    ``nth_read`` of a switch file in the ``with`` block, and go on once it is done or waits
+    for the daemon's switches' lock; the block's end waits for it."""
+    landed, reads, read = threading.Event(), [0], state.read
+    threads: list[threading.Thread] = []
+
+    def waiting(seconds: float) -> None:
+        landed.set()
+        time.sleep(seconds)
+
+    def admin() -> None:
+        with StateDir.open(state.path) as own:
+            own.sleep = waiting
+            change(own)
+        landed.set()
+
+    def daemons_read(name: str, limit: int) -> bytes:
+        raw = read(name, limit)
+        reads[0] += 1
+        if reads[0] == nth_read:
+            threads.append(threading.Thread(target=admin))
+            threads[0].start()  # joined below
+            assert landed.wait(10)  # done, or waiting for the daemon
+        return raw
+
+    state.read = daemons_read  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del state.read
+        threads[0].join(10)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [("resume", 2, None), ("pause", 1, "new")],
+    ids=["resume during a cut", "pause at its end"],
+)
+def test_an_admins_pause_or_resume_beside_the_daemons_rewrite_is_never_undone(
+    state: StateDir, case: tuple[str, int, str | None]
+) -> None:
+    """The daemon cut a pause (or removed an ended one) by read, compare, write: a resume (or
+    a new pause) landing after its last read was undone, though resume said "actions
+    resumed". The admin's command lands there (the daemon's ``nth_read`` of the pause file)
+    and must wait for the daemon, then win."""
+    change, nth_read, left = case
+    seconds = 365 * DAY if change == "resume" else 60.0
+    set_pause(state, reason="old", clock=BootTime(NOW, 1000.0, "b1"), seconds=seconds)
+    reason = None if change == "resume" else "new"
+    clock = BootTime(NOW + 60, 1060.0, "b1")
+    with admin_in_the_daemons_read(
+        state, nth_read, lambda own: set_pause(own, reason=reason, clock=clock, seconds=60)
+    ):
+        poll_pause(state, clock, max_pause=DAY)
+    now = pause.pause_in_force(state, BootTime(NOW + 70, 1070.0, "b1"), max_pause=DAY)
+    assert now.reason == left
+
+
+def test_resume_while_the_switches_lock_stays_taken_changes_nothing_and_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(f"state_dir: {tmp_path}/st\n")
+    assert main(["pause", "--config", str(config), "--reason", "x"]) == 0
+    monkeypatch.setattr(StateDir, "sleep", staticmethod(lambda seconds: None))
+    with StateDir.open(str(tmp_path / "st")) as held, held.switch_lock():
+        assert main(["resume", "--config", str(config)]) == 74
+    assert "switches.lock" in capsys.readouterr().err
+    assert (tmp_path / "st" / PAUSE_FILE).exists()
+    assert main(["resume", "--config", str(config)]) == 0
 
 
 def test_a_pause_file_from_before_the_boot_clock_ends_by_its_wall_end(state: StateDir) -> None:
@@ -359,6 +437,27 @@ def test_spare_events_say_start_and_why_each_ended() -> None:
 )
 def test_spare_targets_parse(text: str, expected: tuple[str, int | None, str | None]) -> None:
     assert parse_target(text) == expected
+
+
+@pytest.mark.parametrize("cancel", [True, False], ids=["cancel", "spare again"])
+def test_a_spare_cancelled_or_given_again_beside_the_daemons_cut_is_never_undone(
+    state: StateDir, cancel: bool
+) -> None:
+    """The daemon's cut of a spare longer than ``max_spare`` (read, compare, write) undid a
+    ``spare --cancel`` landing after its re-read: the process stayed spared though the
+    command said the spare ended; a new spare of the target was replaced by the old one."""
+    write_spare(state, "job:slurm:9", clock=GIVEN, seconds=365 * DAY, reason="old", job="slurm:9")
+
+    def change(own: StateDir) -> None:
+        if cancel:
+            assert cancel_spare(own, "job:slurm:9")
+        else:
+            write_spare(own, "job:slurm:9", clock=GIVEN, seconds=60, reason="new", job="slurm:9")
+
+    with admin_in_the_daemons_read(state, 2, change):
+        read_spares(state, boot(NOW + 10, 1010.0), max_spare=DAY, remove_stale=True)
+    spares = read_spares(state, boot(NOW + 20, 1020.0), max_spare=DAY).spares
+    assert [spare.reason for spare in spares] == ([] if cancel else ["new"])
 
 
 @pytest.mark.parametrize(
@@ -705,7 +804,8 @@ def test_a_spare_beyond_the_most_the_daemon_honours_is_refused(
             found = read_spares(st, BootTime.read(time.time(), None), max_spare=DAY).spares
         assert len(found) == MAX_SPARES
         assert f"pid:{children[0].pid}" in {spare.target for spare in found}
-        assert len(st_names := os.listdir(tmp_path / "st")) == MAX_SPARES, st_names
+        st_names = [name for name in os.listdir(tmp_path / "st") if name != "switches.lock"]
+        assert len(st_names) == MAX_SPARES, st_names
     finally:
         for child in children:
             child.kill()

@@ -317,10 +317,15 @@ def _supervise(
     keeper.pipe.close()
     if pidfd is not None:
         os.close(pidfd)
-    if scope is not None and error is None and proc.poll() is None:
-        # The command exited; what it left running may run until the deadline, its keeper
-        # with it (the scope ends them when the daemon stops).
-        scope.adopt(proc)
+    return _settle(keeper, error, deadline, marker, scope)
+
+
+def _settle(
+    keeper: _Keeper, error: str | None, deadline: float, marker: bytes, scope: CommandScope | None
+) -> tuple[Mapping[str, object], str | None]:
+    """The keeper's report once its command exited: a keeper that keeps what the command left
+    running goes to ``scope``; one that sent its last report is waited for (``_supervise``)."""
+    proc = keeper.proc
     try:
         report: Mapping[str, object] = decode_json_object(bytes(keeper.status))
     except ValueError:
@@ -328,7 +333,25 @@ def _supervise(
             error = f"its keeper failed (exit {proc.returncode}); process group killed"
             _kill_keeper(proc, marker)
         report = {}
+    if error is None and proc.poll() is None:
+        if report.get("keeps") is True:
+            # The command exited; what it left running may run until the deadline, its
+            # keeper with it (the scope ends them when the daemon stops).
+            if scope is not None:
+                scope.adopt(proc)
+        else:
+            # Its last report: the tree is ended and the keeper only has to exit (a while,
+            # under load). Adopted, it would be counted as a command that left processes.
+            _await_exit(proc, deadline, marker)
     return report, error
+
+
+def _await_exit(proc: subprocess.Popen[bytes], deadline: float, marker: bytes) -> None:
+    """Wait for a keeper that sent its last report to exit, until ``deadline``; ended there."""
+    try:
+        proc.wait(max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        _kill_keeper(proc, marker)
 
 
 def _kill_keeper(proc: subprocess.Popen[bytes], marker: bytes) -> None:

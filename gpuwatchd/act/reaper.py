@@ -144,6 +144,7 @@ def main(argv: list[str]) -> int:
                 # The command exited and left processes running: the caller learns how it
                 # ended now; they may go on until the deadline, and no longer.
                 report["leftovers"] = len(descendants(os.getpid()))
+                report["keeps"] = True  # the keeper runs on; no other report follows
                 if problem is not None:
                     report["error"] = f"not a subreaper ({problem}): some may escape"
                 _send(status_fd, report)

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
+from gpuwatchd.act import commands
 from gpuwatchd.act.commands import KEEPER_FILE, CommandResult, CommandScope, run_command
 from gpuwatchd.config.schema import default_policy
 from gpuwatchd.core.vocabulary import HookName
@@ -174,6 +175,43 @@ def test_cancelling_ends_what_finished_commands_left_running(tmp_path: Path) -> 
         assert scope.lingering == 0
     finally:
         _cleanup(escaped)
+
+
+# The keeper itself, slow to exit once it sent its last report (the command done, its tree
+# ended): as a loaded machine's interpreter shutdown may be, for longer than the output drain.
+SLOW_KEEPER = """
+import sys, time
+sys.path.insert(0, %(folder)r)
+import reaper
+code = reaper.main(sys.argv)
+time.sleep(1.0)
+sys.exit(code)
+"""
+
+
+def test_a_keeper_slow_to_exit_after_its_last_report_is_no_command_left_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command that exited leaving nothing: its keeper, still exiting when the output's drain
+    ended, was handed to the scope as one that keeps what its command left running, so the
+    daemon's stop said '1 finished command(s) had left processes running before their
+    deadline; they were killed' (a hook.run of its own; the flake of the e2e hanging-reset
+    test on a loaded machine). The keeper's last report is now waited out, never adopted."""
+    slow = tmp_path / "slow_keeper.py"
+    slow.write_text(SLOW_KEEPER % {"folder": str(Path(KEEPER_FILE).parent)})
+    monkeypatch.setattr(commands, "KEEPER_FILE", str(slow))
+    policy = dataclasses.replace(default_policy(), state_dir=str(tmp_path / "state"))
+    daemon = Daemon(policy, config_path="/nonexistent/gpuwatchd.yaml")
+    try:
+        result = daemon.actuator.run_command(["true"], timeout=30.0)
+        assert (result.returncode, result.leftovers, result.error) == (0, 0, None)
+        assert daemon.actuator.commands.lingering == 0, "an ended keeper counted as lingering"
+        with capture_logs() as logs:
+            daemon._finish_notifications()
+        runs = [e for e in logs if e["event"] == "hook.run"]
+        assert runs == [], runs
+    finally:
+        daemon.signaller.close()
 
 
 HOOK = """

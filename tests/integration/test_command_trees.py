@@ -27,7 +27,7 @@ from structlog.testing import capture_logs
 from gpuwatchd.act import commands
 from gpuwatchd.act.commands import KEEPER_FILE, CommandResult, CommandScope, run_command
 from gpuwatchd.config.schema import default_policy
-from gpuwatchd.core.vocabulary import HookName
+from gpuwatchd.core.vocabulary import EventName, HookName
 from gpuwatchd.daemon.lifecycle import Daemon
 from gpuwatchd.decide.plan.intents import HookIntent
 from gpuwatchd.decide.policy import Hook
@@ -208,7 +208,7 @@ def test_a_keeper_slow_to_exit_after_its_last_report_is_no_command_left_running(
         assert daemon.actuator.commands.lingering == 0, "an ended keeper counted as lingering"
         with capture_logs() as logs:
             daemon._finish_notifications()
-        runs = [e for e in logs if e["event"] == "hook.run"]
+        runs = [e for e in logs if e["event"] == EventName.HOOK_RUN]
         assert runs == [], runs
     finally:
         daemon.signaller.close()
@@ -245,7 +245,7 @@ def test_a_stopping_daemon_cancels_a_notification_still_running_and_says_which(
             daemon._finish_notifications()
         assert time.monotonic() - started < 15
         assert _gone(pid, timeout=0.5), "the hook outlived the daemon"
-        runs = [e for e in logs if e["event"] == "hook.run"]
+        runs = [e for e in logs if e["event"] == EventName.HOOK_RUN]
         cancelled = [e for e in runs if e.get("outcome") == "cancelled"]
         assert len(cancelled) == 1
         assert cancelled[0]["argv"] == list(hook.argv)

@@ -777,8 +777,8 @@ class Engine:
         self.emit(
             EventName.RESET_IN_FLIGHT_CLEARED,
             Level.WARNING,
-            gpu=gpu,
-            finding=flight.finding_key,
+            gpu=short(gpu),  # read from the state file: any string, as large as the file
+            finding=short(flight.finding_key),
             dry_run=flight.dry_run,
             why=why,
         )

@@ -33,7 +33,7 @@ from gpuwatchd.decide.health.judge import note_reset
 from gpuwatchd.decide.health.state import HealthState
 from gpuwatchd.decide.mig.recovery import InstanceRecovery
 from gpuwatchd.decide.plan.decisions import set_paused
-from gpuwatchd.decide.plan.state import PlanState
+from gpuwatchd.decide.plan.state import PlanState, ResetInFlight
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine.cycle import Engine, EngineState
 from gpuwatchd.engine.edges import Pause, TakenXids
@@ -495,6 +495,22 @@ def test_a_reset_in_flight_with_no_record_is_cleared_at_start_and_resets_go_on()
     assert not second.sink.named(EventName.RESET_OUTCOME), "nothing is booked"
     second.poll_at(100.0)
     assert len(reset_commands(second)) == 1
+
+
+def test_a_hostile_reset_in_flight_is_cleared_at_start_and_shown_cut() -> None:
+    """The marker is read from the state file (hostile, up to its size): its GPU and finding
+    key are shown in ``reset.in_flight_cleared`` cut as event values are, never whole."""
+    pol = make_policy("reset: {confirm_for: 0s, cooldown: 1m}")
+    first = rig(pol, ghost_host)
+    flight = ResetInFlight("G\n" + "x" * 100_000, "k" * 100_000, False, 0.0, 0.0)
+    state = replace(first.engine.state, plan=replace(PlanState(), reset_in_flight=flight))
+    second = rig(pol, ghost_host, state=state)
+    second.engine.resume_interrupted_reset()
+    assert second.engine.state.plan.reset_in_flight is None
+    (cleared,) = second.sink.named(EventName.RESET_IN_FLIGHT_CLEARED)
+    assert (cleared["gpu"], cleared["finding"]) == (short(flight.gpu), short(flight.finding_key))
+    assert len(str(cleared["gpu"])) < 1000
+    assert "\n" not in str(cleared["gpu"])
 
 
 @pytest.mark.parametrize("paused", ["saved", "while the daemon was down"])

@@ -159,7 +159,8 @@ def test_run_over_a_drop_in_whose_name_is_not_utf8_runs_the_last_accepted_policy
     host: SimHost,
 ) -> None:
     """Refused, that drop-in takes the path of any other rejected at start (not exit 78):
-    ``config.start_rejected`` names it, and the last accepted policy, in this state_dir, runs."""
+    ``EventName.CONFIG_START_REJECTED`` names it, and the last accepted policy, in this
+    state_dir, runs."""
     config = host.config()
     with StateDir.open(str(host.state_dir)) as state_dir:
         save_accepted(state_dir, load_policy(str(config), check_permissions=False))

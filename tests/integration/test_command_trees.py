@@ -195,8 +195,9 @@ def test_a_keeper_slow_to_exit_after_its_last_report_is_no_command_left_running(
     """A command that exited leaving nothing: its keeper, still exiting when the output's drain
     ended, was handed to the scope as one that keeps what its command left running, so the
     daemon's stop said '1 finished command(s) had left processes running before their
-    deadline; they were killed' (a hook.run of its own; the flake of the e2e hanging-reset
-    test on a loaded machine). The keeper's last report is now waited out, never adopted."""
+    deadline; they were killed' (a ``EventName.HOOK_RUN`` of its own; the flake of the e2e
+    hanging-reset test on a loaded machine). The keeper's last report is now waited out, never
+    adopted."""
     slow = tmp_path / "slow_keeper.py"
     slow.write_text(SLOW_KEEPER % {"folder": str(Path(KEEPER_FILE).parent)})
     monkeypatch.setattr(commands, "KEEPER_FILE", str(slow))

@@ -320,7 +320,8 @@ def test_a_reload_turns_the_namespace_check_on(tmp_path: Path) -> None:
 def test_a_scan_that_cannot_be_accepted_is_tried_once_until_the_next_poll(tmp_path: Path) -> None:
     """accept() out of file descriptors leaves the connection queued and scan.sock readable:
     the wait woke at once, again and again until the next poll, saying
-    daemon.scan_request_failed on every pass. It leaves the socket until the next poll now."""
+    ``EventName.DAEMON_SCAN_REQUEST_FAILED`` on every pass. It leaves the socket until the next
+    poll now."""
     policy = dataclasses.replace(default_policy(), state_dir=str(tmp_path / "st"), dry_run=True)
     refused = ScanAnswer(False, "not now")
     daemon = Daemon(policy, config_path="/nonexistent.yaml", scan_answer=lambda *_: refused)
@@ -649,10 +650,10 @@ def test_a_half_done_mig_recovery_of_another_boot_is_not_finished_after_the_rebo
 def test_a_state_saved_with_no_boot_id_is_another_boots_and_its_xids_are_forgotten(
     tmp_path: Path, saved_boot: str
 ) -> None:
-    """The start takes a state saved with no boot id for another boot's (``state.new_boot``):
-    its health history is that boot's (the reboot cleared what its Xids asked for) and is
-    forgotten, as a new boot id read by a poll forgets it, also across a save before the
-    first poll. This boot's is kept."""
+    """The start takes a state saved with no boot id for another boot's
+    (``EventName.STATE_NEW_BOOT``): its health history is that boot's (the reboot cleared what its
+    Xids asked for) and is forgotten, as a new boot id read by a poll forgets it, also across a save
+    before the first poll. This boot's is kept."""
     state_dir = tmp_path / "state"
     state_dir.mkdir(mode=0o700)
     policy = dataclasses.replace(default_policy(), state_dir=str(state_dir), dry_run=False)
@@ -724,7 +725,7 @@ def test_the_nvml_worker_is_stopped_before_the_lock_is_released(
 
 def test_a_hostile_saved_boot_id_is_shown_cut_in_the_new_boot_event(tmp_path: Path) -> None:
     """The saved boot id is the state file's (as large as the file, any JSON value): the
-    ``state.new_boot`` event showed it whole; it shows it as event values are, escaped and
+    ``EventName.STATE_NEW_BOOT`` event showed it whole; it shows it as event values are, escaped and
     cut (none stays none)."""
     state_dir = tmp_path / "state"
     state_dir.mkdir(mode=0o700)
@@ -803,11 +804,11 @@ def test_a_plan_saved_with_no_boot_id_is_another_boots_and_its_monotonic_times_a
     tmp_path: Path, saved_boot: str
 ) -> None:
     """A plan saved with no boot id, read by a start that takes it for another boot's
-    (``state.new_boot``), loses what a poll reading a new boot id drops: its first-seen times,
-    quiet windows, kill-cap history and half-done MIG recovery are on the old boot's monotonic
-    clock (restarted near 0 by the reboot). Its reset history and latch are kept, the latch's
-    monotonic anchor dropped; the reset in flight is left to the resume, which says it clears
-    it. This boot's plan is kept whole, also across a save before the first poll."""
+    (``EventName.STATE_NEW_BOOT``), loses what a poll reading a new boot id drops: its first-seen
+    times, quiet windows, kill-cap history and half-done MIG recovery are on the old boot's
+    monotonic clock (restarted near 0 by the reboot). Its reset history and latch are kept, the
+    latch's monotonic anchor dropped; the reset in flight is left to the resume, which says it
+    clears it. This boot's plan is kept whole, also across a save before the first poll."""
     state_dir = tmp_path / "state"
     state_dir.mkdir(mode=0o700)
     policy = dataclasses.replace(default_policy(), state_dir=str(state_dir), dry_run=False)

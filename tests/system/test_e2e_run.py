@@ -476,8 +476,9 @@ def test_hanging_reset_is_killed_at_the_timeout_and_on_failure_runs(tmp_path: Pa
     reset, failure = result["evidence"]["files"]
     assert [reset["action"], failure["action"]] == ["gpu_reset", "on_failure"]
     assert result["outcomes"][0]["evidence_file"] == reset["path"]
-    # One hook.run: the on_failure hook's. No other (a stop that counted a finished command's
-    # keeper, still exiting under load, as one that had left processes running said one).
+    # One EventName.HOOK_RUN: the on_failure hook's. No other (a stop that counted a finished
+    # command's keeper, still exiting under load, as one that had left processes running said
+    # one).
     hooks = result["hooks"]
     assert len(hooks) == 1, json.dumps(hooks, indent=1)
     assert (hooks[0]["hook"], hooks[0]["evidence_file"]) == ("on_failure", failure["path"])

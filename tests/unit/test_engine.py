@@ -406,8 +406,8 @@ def test_a_crash_while_another_boots_reset_is_undone_leaves_it_another_boots() -
 
 @pytest.mark.parametrize("step", ["reset", "no such step"])
 def test_a_huge_record_is_shown_cut_in_every_event_of_its_resume(step: str) -> None:
-    """A record is read from the state file (hostile, up to its size): ``reset.resume`` shows
-    its GPU, step and commands, each cut as events cut values, and no event of the resume
+    """A record is read from the state file (hostile, up to its size): ``EventName.RESET_RESUME``
+    shows its GPU, step and commands, each cut as events cut values, and no event of the resume
     carries it whole (not the reason an unreadable one is failed with either)."""
     pol = make_policy("reset: {confirm_for: 0s, cooldown: 1m}")
     extra: dict[str, object] = {f"key{n}": "x" * 100 for n in range(10_000)}
@@ -429,7 +429,7 @@ def test_a_huge_record_is_shown_cut_in_every_event_of_its_resume(step: str) -> N
 )
 def test_a_record_whose_uuid_is_no_gpus_is_unreadable_and_never_shown_whole(uuid: str) -> None:
     """A record's ``uuid`` is the state file's (any string, as large as the file) and was
-    shown whole in ``reset.resumed``, each step's events and the reasons: one not in the
+    shown whole in ``EventName.RESET_RESUMED``, each step's events and the reasons: one not in the
     format NVML gives a GPU's UUID is an unreadable record, shown cut, and nothing is run."""
     pol = make_policy("reset: {confirm_for: 0s, cooldown: 1m, after: [{command: [undrain]}]}")
     state = _interrupted_during_the_reset(pol, uuid=uuid)
@@ -499,7 +499,7 @@ def test_a_reset_in_flight_with_no_record_is_cleared_at_start_and_resets_go_on()
 
 def test_a_hostile_reset_in_flight_is_cleared_at_start_and_shown_cut() -> None:
     """The marker is read from the state file (hostile, up to its size): its GPU and finding
-    key are shown in ``reset.in_flight_cleared`` cut as event values are, never whole."""
+    key are shown in ``EventName.RESET_IN_FLIGHT_CLEARED`` cut as event values are, never whole."""
     pol = make_policy("reset: {confirm_for: 0s, cooldown: 1m}")
     first = rig(pol, ghost_host)
     flight = ResetInFlight("G\n" + "x" * 100_000, "k" * 100_000, False, 0.0, 0.0)

@@ -31,7 +31,6 @@ from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.core.model import GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot
 from gpuwatchd.core.vocabulary import EventName, HookName, HookOutcome, Level
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.engine.edges import TakenXids
 from gpuwatchd.served.guard import GuardedWatch
 
 log = structlog.get_logger("gpuwatchd")
@@ -44,10 +43,9 @@ class HostReader:
     collector: Collector
     procfs: ProcFS
     nvml: NvmlClient
-    taken: TakenXids = field(default_factory=TakenXids)  # by read_gpu: the next poll's
 
     def collect(self) -> Snapshot:
-        return self.taken.first_in(self.collector.collect())
+        return self.collector.collect()
 
     def stop_nvml(self) -> bool:
         return self.nvml.stop()
@@ -57,10 +55,8 @@ class HostReader:
         pids = set(holders.holdings) | set(holders.unreadable)
         return holders, self.procfs.read_processes(pids)
 
-    def read_gpu(self, uuid: str) -> GpuInfo | None:
-        gpus = self.nvml.read().gpus  # it takes every GPU's queued Xid events
-        self.taken.add(gpus)
-        return next((gpu for gpu in gpus if gpu.uuid == uuid), None)
+    def read_gpus(self) -> tuple[GpuInfo, ...]:
+        return self.nvml.read().gpus
 
     def self_pids(self) -> frozenset[int]:
         return frozenset({os.getpid()}) | self.nvml.worker_pids

@@ -155,7 +155,7 @@ class Engine:
             collections.deque()
         )
         self._crashed: collections.deque[str] = collections.deque()  # background_crashed
-        self._taken = TakenXids()  # by a reading inside the reset procedure (instance_back)
+        self._taken = TakenXids()  # by a reading inside the reset procedure: the next poll's
         self._snapshot: Snapshot | None = None
         self._assessment: Assessment | None = None
         self._verdict: NodeVerdict | None = None  # each GPU clean for a new job?
@@ -699,7 +699,7 @@ class Engine:
         deadline = self.clock.monotonic() + timeout
         detail = "not read yet"
         while True:
-            reading = self.reader.read_gpu(target.uuid)
+            reading = self._read_gpu(target.uuid)
             verdict, detail = fabric.after_reset(None if reading is None else reading.health)
             if verdict == "completed":
                 return True, detail
@@ -891,14 +891,19 @@ class Engine:
         self._taken.add(snapshot.nvml.gpus, snapshot.kernel_xids)  # the next poll's
         return recovered(recovery, snapshot, max_used=baseline + detection.ghost_margin)
 
+    def _read_gpu(self, uuid: str) -> GpuInfo | None:
+        gpus = self.reader.read_gpus()  # it takes every GPU's queued Xid events: kept
+        self._taken.add(gpus)
+        return next((gpu for gpu in gpus if gpu.uuid == uuid), None)
+
     def reread_gpu(self, target: ResetTarget) -> GpuInfo | None:
-        gpu = self.reader.read_gpu(target.uuid)
+        gpu = self._read_gpu(target.uuid)
         if not self.reader.stop_nvml():  # the next MIG command runs with nothing of ours held
             raise OSError("our own NVML worker still holds the device")
         return gpu
 
     def memory_back_to_baseline(self, target: ResetTarget) -> bool | None:
-        gpu = self.reader.read_gpu(target.uuid)
+        gpu = self._read_gpu(target.uuid)
         if gpu is None or gpu.lost:
             return None
         allocated = gpu.memory.allocated if gpu.memory else None

@@ -45,8 +45,8 @@ class HostReader(Protocol):
     def final_scan(self, minor: int | None) -> tuple[HolderScan, Mapping[int, ProcessInfo]]:
         """A fresh full holder scan right before a reset, with the holders' process facts."""
 
-    def read_gpu(self, uuid: str) -> GpuInfo | None:
-        """A fresh NVML reading of one GPU (after a reset); None when it is not there."""
+    def read_gpus(self) -> tuple[GpuInfo, ...]:
+        """A fresh NVML reading of every GPU (in a reset); the engine keeps its Xid events."""
 
     def self_pids(self) -> frozenset[int]:
         """Our own processes (the daemon and its NVML worker): never holders or blockers."""

@@ -468,9 +468,9 @@ class VirtualHost:
             scan = dataclasses.replace(scan, holdings=kept)
         return scan, world.processes()
 
-    def read_gpu(self, uuid: str) -> GpuInfo | None:
+    def read_gpus(self) -> tuple[GpuInfo, ...]:
         self.sim.world.settle(self.sim.now)
-        return next((g for g in self.sim.world.nvml().gpus if g.uuid == uuid), None)
+        return self.sim.world.nvml().gpus
 
     def self_pids(self) -> frozenset[int]:
         return frozenset()

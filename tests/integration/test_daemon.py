@@ -590,8 +590,8 @@ _CGI = (_SMI, "mig", "-i", _UUID, "-cgi", "19:6", "-C")
 
 
 class _RebootedReader(Reader):
-    def read_gpu(self, uuid: str) -> GpuInfo | None:  # MIG mode on, the instance gone
-        return instance_gpu(_RECOVERY, present=False)
+    def read_gpus(self) -> tuple[GpuInfo, ...]:  # MIG mode on, the instance gone
+        return (instance_gpu(_RECOVERY, present=False),)
 
 
 @pytest.mark.parametrize("boot", ["another", "this"])

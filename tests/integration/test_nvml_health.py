@@ -98,10 +98,11 @@ def test_xid_events_are_delivered_once_to_their_gpu(
     assert all(g.health and g.health.xids == () for g in client.read().gpus)
 
 
-def test_xid_events_a_reading_of_one_gpu_took_are_the_next_polls(fake_nvml: FakeNvml) -> None:
-    """The reset procedure reads its GPU alone (its memory after the reset, its NVLink fabric
+def test_a_reading_between_polls_hands_every_gpus_xid_events_over(fake_nvml: FakeNvml) -> None:
+    """The reset procedure reads its GPU again (its memory after the reset, its NVLink fabric
     each second): the worker's reading takes every GPU's queued events, so the daemon's reader
-    keeps them for its next poll rather than let an Xid of another GPU go unjudged."""
+    hands them all to the engine, which keeps them for its next poll (test_engine's
+    test_xid_events_a_reading_of_one_gpu_took_are_the_next_polls); the reader keeps none."""
     gpus = [gpu(0), gpu(1)]
     fake_nvml.write(state(gpus))
     policy = dataclasses.replace(
@@ -112,11 +113,7 @@ def test_xid_events_a_reading_of_one_gpu_took_are_the_next_polls(fake_nvml: Fake
         first = host.reader.collect().nvml.gpus
         assert all(g.health and g.health.xids == () for g in first)
         fake_nvml.write(state(gpus, events=[{"id": "a", "gpu": 1, "type": XID, "data": 48}]))
-        reset = host.reader.read_gpu(first[0].uuid)
-        assert reset is not None
-        assert reset.health is not None
-        assert reset.health.xids == ()
-        zero, one = (g.health for g in host.reader.collect().nvml.gpus)
+        zero, one = (g.health for g in host.reader.read_gpus())
         assert zero is not None
         assert one is not None
         assert (zero.xids, [x.xid for x in one.xids]) == ((), [48])

@@ -96,9 +96,8 @@ class Reader:
         snapshot = builder.build()
         return snapshot.holders, snapshot.processes
 
-    def read_gpu(self, uuid: str) -> GpuInfo | None:
-        snapshot = ghost_host(self.clock.now, allocated=self.after_reset).build()
-        return next((g for g in snapshot.nvml.gpus if g.uuid == uuid), None)
+    def read_gpus(self) -> tuple[GpuInfo, ...]:
+        return ghost_host(self.clock.now, allocated=self.after_reset).build().nvml.gpus
 
     def self_pids(self) -> frozenset[int]:
         return frozenset()

@@ -209,8 +209,8 @@ class XidThenHealthyReader(Reader):
         reading = snap(gpu(0, HEALTH_GPU, health(xids=xids)), t=self.clock.now)
         return replace(reading, wall_time=wall)
 
-    def read_gpu(self, uuid: str) -> GpuInfo | None:
-        return gpu(0, HEALTH_GPU, health())
+    def read_gpus(self) -> tuple[GpuInfo, ...]:
+        return (gpu(0, HEALTH_GPU, health()),)
 
 
 @dataclass
@@ -743,6 +743,34 @@ def test_the_reset_stops_no_monitor_a_spare_or_protect_covers(
     r.poll_at(0.0)
     target = ResetTarget(uuid=GPU0, pci_bus_id=None, minor=0, persistence_was_on=False)
     assert [m.identity.pid for m in r.engine.find_monitors(target)] == stopped, case
+
+
+@dataclass
+class TwoGpuReader(Reader):
+    """GPUs 0 and 1, healthy; a reading of every GPU between polls takes GPU 1's Xid 48."""
+
+    def collect(self) -> Snapshot:
+        return snap(gpu(0, HEALTH_GPU, health()), gpu(1, HEALTH_GPU1, health()), t=self.clock.now)
+
+    def read_gpus(self) -> tuple[GpuInfo, ...]:
+        xid = XidEvent(48, self.clock.wall())
+        return gpu(0, HEALTH_GPU, health()), gpu(1, HEALTH_GPU1, health(xids=(xid,)))
+
+
+def test_xid_events_a_reading_of_one_gpu_took_are_the_next_polls() -> None:
+    """The reset procedure reads its GPU again (its memory after the reset, its NVLink fabric,
+    a MIG GPU before a command): that reading takes every GPU's queued Xid events, so the
+    engine keeps the others' for its next poll, where each is judged once."""
+    clock = Clock()
+    engine = Engine(make_policy(dry_run=True), reader=TwoGpuReader(clock, ghost_host),
+                    actuator=Actuator(), clock=clock, sink=Sink())  # fmt: skip
+    target = ResetTarget(uuid=HEALTH_GPU, pci_bus_id=None, minor=0, persistence_was_on=False)
+    assert engine.reread_gpu(target) == gpu(0, HEALTH_GPU, health())
+    zero, one = (g.health for g in engine.poll().snapshot.nvml.gpus)
+    assert zero is not None
+    assert one is not None
+    assert (zero.xids, [x.xid for x in one.xids]) == ((), [48])
+    assert all(g.health and g.health.xids == () for g in engine.poll().snapshot.nvml.gpus)
 
 
 def test_xids_kept_for_the_next_poll_wait_for_a_poll_that_reads_their_gpu() -> None:

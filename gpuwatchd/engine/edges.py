@@ -25,12 +25,14 @@ from gpuwatchd.core.model import Pause as Pause  # noqa: PLC0414 - re-exported: 
 from gpuwatchd.core.vocabulary import Level
 from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
+from gpuwatchd.decide.gpu_ids import pci_bus_key
 from gpuwatchd.decide.nvml_state import NvmlAvailability
 from gpuwatchd.decide.plan.intents import Intent
 from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.verdict import NodeVerdict
 
 T = TypeVar("T")
+MAX_KEPT_RUNS = 256  # kernel-log runs kept for a poll that reads their GPU (a poll reads as many)
 
 
 class HostReader(Protocol):
@@ -69,21 +71,35 @@ class TakenXids:
     def first_in(self, snapshot: Snapshot) -> Snapshot:
         """``snapshot`` with the Xids kept in front of its own: NVML's of each GPU whose health
         it read, the kernel log's while NVML names GPUs (the collector reads the log only
-        then); the others are kept for a poll that reads them."""
-        read = {gpu.uuid for gpu in snapshot.nvml.gpus if gpu.health is not None}
+        then) but a GPU's whose health it did not read (the poll's own too); the others are
+        kept for a poll that reads them (the kernel log's first :data:`MAX_KEPT_RUNS`)."""
+        gpus = snapshot.nvml.gpus
+        read = {gpu.uuid for gpu in gpus if gpu.health is not None}
         events = {uuid: xids for uuid, xids in self.events.items() if uuid in read}
         self.events = {uuid: xids for uuid, xids in self.events.items() if uuid not in read}
-        kernel, self.kernel = (self.kernel, ()) if snapshot.nvml.gpus else ((), self.kernel)
-        if not events and not kernel:
+        unread = {_device(gpu.pci_bus_id) for gpu in gpus if gpu.health is None} - {None}
+        logged = (self.kernel if gpus else ()) + snapshot.kernel_xids
+        waits = [_device(f"{run.pci}.0") in unread for run in logged]
+        kernel = tuple(run for run, wait in zip(logged, waits, strict=True) if not wait)
+        if gpus:
+            self.kernel = tuple(run for run, wait in zip(logged, waits, strict=True) if wait)
+            self.kernel = self.kernel[:MAX_KEPT_RUNS]
+        if not events and kernel == snapshot.kernel_xids:
             return snapshot
         gpus = tuple(
             gpu
             if gpu.health is None or gpu.uuid not in events
             else replace(gpu, health=replace(gpu.health, xids=events[gpu.uuid] + gpu.health.xids))
-            for gpu in snapshot.nvml.gpus
+            for gpu in gpus
         )
-        kernel += snapshot.kernel_xids
         return replace(snapshot, nvml=replace(snapshot.nvml, gpus=gpus), kernel_xids=kernel)
+
+
+def _device(bus_id: str | None) -> tuple[int, int, int] | None:
+    """A PCI bus id's domain, bus and device (the kernel log's ``0000:17:00`` is NVML's
+    ``00000000:17:00.0``, as decide/health/judge.py matches them)."""
+    key = None if bus_id is None else pci_bus_key(bus_id)
+    return None if key is None else key[:3]
 
 
 class Actuator(Protocol):

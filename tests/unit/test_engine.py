@@ -36,7 +36,7 @@ from gpuwatchd.decide.plan.decisions import set_paused
 from gpuwatchd.decide.plan.state import PlanState, ResetInFlight
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine.cycle import Engine, EngineState
-from gpuwatchd.engine.edges import Pause, TakenXids
+from gpuwatchd.engine.edges import MAX_KEPT_RUNS, Pause, TakenXids
 from gpuwatchd.events.words import short
 from tests.support.enginerig import (
     GPU0,
@@ -773,6 +773,54 @@ def test_xid_events_a_reading_of_one_gpu_took_are_the_next_polls() -> None:
     assert all(g.health and g.health.xids == () for g in engine.poll().snapshot.nvml.gpus)
 
 
+@dataclass
+class UnreadThenReadReader(Reader):
+    """The kernel log says Xid 48 of GPU 1 at the first poll, whose NVML reading has no health
+    for GPU 1 (not lost: its fields unread); every poll after reads it."""
+
+    polls: int = 0
+
+    def collect(self) -> Snapshot:
+        self.polls += 1
+        first = self.polls == 1
+        gpus = gpu(0, HEALTH_GPU, health()), gpu(1, HEALTH_GPU1, None if first else health())
+        reading = snap(*gpus, t=self.clock.now)
+        logged = KernelXid("0000:11:00", 48, reading.wall_time, reading.wall_time, 7)
+        return replace(reading, kernel_xids=(logged,) if first else ())
+
+
+def test_a_kernel_log_xid_of_a_gpu_whose_health_is_unread_is_judged_at_a_poll_that_reads_it() -> (
+    None
+):
+    """A GPU whose health a poll could not read (not lost) is not judged that poll: the kernel
+    log's Xids naming it, read once, were dropped with it, never judged. They wait for a poll
+    that reads its health, as NVML's events do, and are judged there, once."""
+    clock = Clock()
+    engine = Engine(make_policy(dry_run=True), reader=UnreadThenReadReader(clock, ghost_host),
+                    actuator=Actuator(), clock=clock, sink=Sink())  # fmt: skip
+    assert engine.poll().assessment.findings == ()
+    clock.now = 10.0
+    report = engine.poll()
+    assert [x.xid for x in report.snapshot.kernel_xids] == [48]
+    assert [(f.kind, f.gpu) for f in report.assessment.findings] == [
+        (FindingKind.RESET_REQUIRED, HEALTH_GPU1)
+    ]
+    clock.now = 20.0
+    assert engine.poll().snapshot.kernel_xids == ()
+
+
+def test_kernel_log_xids_kept_for_an_unread_gpu_are_bounded_and_others_pass() -> None:
+    """A GPU whose health is never read keeps at most MAX_KEPT_RUNS of its kernel-log runs (the
+    first); a run naming no GPU NVML reports is not kept (the judge drops it)."""
+    taken = TakenXids()
+    unread = snap(gpu(0, HEALTH_GPU, health()), gpu(1, HEALTH_GPU1, None))
+    runs = tuple(KernelXid("0000:11:00", 13, 900.0, 900.0, n) for n in range(MAX_KEPT_RUNS + 5))
+    nobody = KernelXid("0000:99:00", 13, 900.0, 900.0, 1000)
+    for _ in range(3):
+        assert taken.first_in(replace(unread, kernel_xids=(*runs, nobody))).kernel_xids == (nobody,)
+    assert taken.kernel == runs[:MAX_KEPT_RUNS]
+
+
 def test_xids_kept_for_the_next_poll_wait_for_a_poll_that_reads_their_gpu() -> None:
     """The Xids a reading between polls took (the reset procedure's) went into the next poll
     whatever it read: with NVML unavailable that poll, or one GPU's health unread, they were
@@ -785,8 +833,9 @@ def test_xids_kept_for_the_next_poll_wait_for_a_poll_that_reads_their_gpu() -> N
     unavailable = replace(snap(), nvml=NvmlReading(available=False, error="timed out"))
     assert taken.first_in(unavailable) == unavailable
     unread = snap(gpu(0, HEALTH_GPU, health()), gpu(1, HEALTH_GPU1, None))
-    assert taken.first_in(unread).kernel_xids == (logged,)
+    assert taken.first_in(unread) == unread
     read = taken.first_in(snap(gpu(0, HEALTH_GPU, health()), gpu(1, HEALTH_GPU1, health())))
     assert [g.health.xids for g in read.nvml.gpus if g.health] == [(), (double_bit,)]
+    assert read.kernel_xids == (logged,)
     again = snap(gpu(1, HEALTH_GPU1, health()))
     assert taken.first_in(again) == again

@@ -391,7 +391,7 @@ class NvmlClient:
                     consequence="allocated memory unknown (v1 'used' includes the driver "
                     "reservation); no ghost detection until an idle baseline is learned",
                 )
-        driver = None if (found := reply.get("driver_version")) is None else str(found)
+        driver = opt_text(reply.get("driver_version"), "driver_version")
         return NvmlReading(available=True, driver_version=driver, gpus=gpus)
 
 
@@ -422,7 +422,8 @@ def _to_memory(raw: object) -> GpuMemory | None:
     raw = obj(raw, "memory")
     names = ("total", "free", "reserved", "allocated", "used_v1")
     total, free, reserved, allocated, used_v1 = (_whole(raw, key, 2**64 - 1) for key in names)
-    return GpuMemory(total, free, reserved, allocated, str(raw.get("api") or "v2"), used_v1)
+    api = opt_text(raw.get("api"), "api") or "v2"
+    return GpuMemory(total, free, reserved, allocated, api, used_v1)
 
 
 def _to_processes(processes: object) -> tuple[NvmlProcess, ...] | None:
@@ -432,7 +433,7 @@ def _to_processes(processes: object) -> tuple[NvmlProcess, ...] | None:
         NvmlProcess(
             pid=_needed(p, "pid"),
             used_memory=_whole(p, "used_memory", 2**64 - 1),
-            kind=str(p.get("kind") or "compute"),
+            kind=opt_text(p.get("kind"), "kind") or "compute",
         )
         for p in (obj(entry, "process") for entry in items(processes, "processes"))
     )

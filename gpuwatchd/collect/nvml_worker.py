@@ -255,7 +255,7 @@ class Worker:
             return {"available": False, "error": f"nvmlDeviceGetCount: {describe_error(error)}"}
         driver: str | None
         try:
-            driver = str(pynvml.nvmlSystemGetDriverVersion())
+            driver = _text(pynvml.nvmlSystemGetDriverVersion())
         except pynvml.NVMLError:
             driver = None
         notices: list[dict[str, Any]] = []

@@ -655,6 +655,9 @@ for request in sys.stdin:
         '[{"index": 0, "mig_mode": "false"}]',  # ... and MIG on
         '[{"index": 0, "persistence_mode": 2}]',
         '[{"index": 0, "numa_node_unknown": "true"}]',
+        '[{"index": 0, "memory": {"api": ["v1"]}}]',  # str() would read it "['v1']"
+        '[{"index": 0, "processes": [{"pid": 7, "kind": 1}]}]',
+        pytest.param('[{"index": 0}], "driver_version": 550', id="driver-version-number"),
         '[{"uuid": "GPU-0"}]',
         '{"0": {"index": 0}}',
         '["GPU-0"]',
@@ -692,6 +695,40 @@ def test_a_malformed_worker_reply_reads_as_unavailable_said_once(
     said = [e["event"] for e in logs if e["log_level"] != "debug"]
     assert said == [EventName.NVML_UNAVAILABLE]
     assert [g.index for g in healed.gpus] == [0]
+
+
+PATCHED_WORKER = """import ast, sys
+sys.path.insert(0, sys.argv[1])
+import pynvml
+from gpuwatchd.collect import nvml_worker
+pynvml.nvmlSystemGetDriverVersion = lambda: ast.literal_eval(sys.argv[2])
+sys.exit(nvml_worker.main())
+"""
+
+
+@pytest.mark.parametrize(
+    ("version", "driver", "error"),
+    [("b'550.54.15'", "550.54.15", None), ("550", None, "driver_version: expected a string")],
+)
+def test_a_driver_version_not_a_string_is_never_made_one(
+    fake_nvml: FakeNvml, clock: list[float], version: str, driver: str | None, error: str | None
+) -> None:
+    """The library's driver version went through ``str()``: bytes became "b'550.54.15'" and a
+    number text that looks valid. Bytes are decoded as the other texts are; anything else is
+    a reply not of the worker's shape (NVML unavailable), naming the field."""
+    fake_nvml.write(state([gpu(0)]))
+    root = str(Path(__file__).resolve().parents[2])
+
+    def spawn(argv: list[str], **options: Any) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-c", PATCHED_WORKER, root, version], **options)
+
+    client = NvmlClient(timeout=5.0, env=fake_nvml.env(), clock=lambda: clock[0], spawn=spawn)
+    try:
+        reading = client.read()
+    finally:
+        client.stop()
+    assert reading.driver_version == driver
+    assert error is None or error in str(reading.error)
 
 
 def test_a_reply_that_never_ends_is_cut_at_its_bound_not_read_into_memory(

@@ -378,11 +378,11 @@ def _carries(pid: int, marker: bytes) -> bool:
 
 
 def kill_marked(marker: bytes) -> None:
-    """SIGKILL every process whose environment carries ``marker`` (``NAME=value``), each
-    checked again through its pidfd (a reused PID is never hit)."""
+    """SIGKILL every process whose environment carries ``marker`` (``NAME=value``), read once
+    its pidfd is open: the signal goes through that pidfd, so a PID reused meanwhile is never
+    hit."""
     for name in os.listdir("/proc"):
-        other = name.isascii() and name.isdigit() and int(name) != os.getpid()
-        if not other or not _carries(int(name), marker):
+        if not name.isascii() or not name.isdigit() or int(name) == os.getpid():
             continue
         try:
             pidfd = os.pidfd_open(int(name))

@@ -13,11 +13,13 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from gpuwatchd.act import commands
 from gpuwatchd.act.commands import OUTPUT_LIMIT, fill_hooks, run_command, run_hooks
 from gpuwatchd.act.reset import perform_reset
 from gpuwatchd.act.reset_target import ResetTarget
@@ -575,6 +577,34 @@ def test_a_child_that_left_the_process_group_is_killed_at_the_timeout_too(tmp_pa
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(escaped, signal.SIGKILL)  # our own grandchild, if the test failed
+
+
+def test_the_marker_fallback_reads_each_environment_once_and_kills_the_marked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """kill_marked reads every process's environment (a fallback): once each, after its pidfd
+    is open, not once to choose and again to confirm."""
+    value = uuid.uuid4().hex
+    marked = subprocess.Popen(["sleep", "1000"], env={"GPUWATCHD_COMMAND_ID": value})
+    plain = subprocess.Popen(["sleep", "1000"], env={})
+    reads: list[int] = []
+    carries = commands._carries
+
+    def counted(pid: int, wanted: bytes) -> bool:
+        reads.append(pid)
+        return carries(pid, wanted)
+
+    monkeypatch.setattr(commands, "_carries", counted)
+    try:
+        commands.kill_marked(f"GPUWATCHD_COMMAND_ID={value}".encode())
+        assert marked.wait(timeout=5) == -signal.SIGKILL
+        assert plain.poll() is None
+        assert reads.count(marked.pid) == 1
+        assert reads.count(plain.pid) == 1
+    finally:
+        for proc in (marked, plain):
+            proc.kill()
+            proc.wait()
 
 
 def test_each_command_gets_its_own_marker() -> None:

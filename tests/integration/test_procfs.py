@@ -7,7 +7,9 @@ is tests/unit/test_cgroups.py.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -381,6 +383,32 @@ def test_real_vanished_pid_reads_as_none(devices: Path) -> None:
     procfs = ProcFS(devices_dir=str(devices))
     assert procfs.read_process(child.pid) is None
     assert procfs.holders.scan([child.pid]).holdings == {}
+
+
+def test_a_child_forked_by_a_thread_is_listed_in_that_threads_children_file_only(
+    spawn: Spawn,
+) -> None:
+    """Why children() reads every thread's file (a holder's data loader thread starts the
+    workers): the kernel lists a child under the thread that forked it, not the leader."""
+    code = (
+        "import subprocess, sys, threading, time\n"
+        "def fork():\n"
+        "    g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "    print('ready', flush=True); print(threading.get_native_id(), g.pid, flush=True)\n"
+        "    g.wait()\n"
+        "threading.Thread(target=fork).start()\n"
+    )
+    child = spawn(code)
+    assert child.stdout is not None
+    tid, grandchild = (int(n) for n in child.stdout.readline().split())
+    try:
+        task = Path(f"/proc/{child.pid}/task")
+        assert (task / str(child.pid) / "children").read_text().split() == []
+        assert (task / str(tid) / "children").read_text().split() == [str(grandchild)]
+        assert ProcFS().children(child.pid) == [grandchild]
+    finally:
+        os.kill(grandchild, signal.SIGKILL)  # unreaped until its parent waits: not reused
+        child.wait(timeout=10)
 
 
 def test_real_descendants_include_grandchildren(spawn: Spawn) -> None:

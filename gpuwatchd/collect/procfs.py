@@ -358,9 +358,10 @@ class ProcFS:
         kids: set[int] = set()
         for tid in tids:
             try:
-                kids.update(int(n) for n in _read_text(f"{task_dir}/{tid}/children").split())
-            except (OSError, ValueError):
+                found = _read_text(f"{task_dir}/{tid}/children").split()
+            except OSError:
                 continue  # the thread ended
+            kids.update(int(n) for n in found if n.isascii() and n.isdigit())
         return sorted(kids)
 
     def _parents_by_scan(self) -> dict[int, list[int]]:

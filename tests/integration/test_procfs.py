@@ -261,9 +261,11 @@ def test_names_that_python_calls_digits_but_are_not_ascii_are_no_pids(
         (base / "task" / name).mkdir()  # a second "thread": the holder scan lists task/
         (base / "fd" / name).symlink_to(f"{devices}/nvidia0")
     (fake.root / "2" / "task" / "2" / "children").write_text("300 ² ١٢ ")
+    (base / "task" / "300" / "children").write_text("١٢ ² 301 ")
     procfs = ProcFS(str(fake.root), devices_dir=str(devices), match_by_path=True)
     assert sorted(procfs.list_pids()) == [2, 300]
     assert procfs.kernel_threads() == {2}
+    assert procfs.children(300) == [301]  # neither dropped nor read as PID 12
     assert set(procfs.holders.scan().holdings) == {300}
     assert InheritanceProbe(procfs.holders, str(fake.root)).device_fds(300) == [3]
     lines = "".join(f"{name} x\n" for name in odd)

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 
 from gpuwatchd.collect.holders import HolderScanner
 from gpuwatchd.collect.kcmp import Kcmp
-from gpuwatchd.collect.statfiles import stat_cached
+from gpuwatchd.collect.statfiles import GONE_ERRNOS, stat_cached
 from gpuwatchd.core.model import FileSharing, HolderScan, ProcessIdentity, ProcessInfo
 from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.events import lazylog
@@ -178,4 +178,14 @@ def absent_leaders(
         for leader in (proc.sid, proc.pgid):
             if leader is not None and leader > 1 and leader != pid and leader not in processes:
                 wanted.add(leader)
-    return frozenset(pid for pid in wanted if not os.path.lexists(f"{base}/{pid}"))
+    return frozenset(pid for pid in wanted if _missing(f"{base}/{pid}"))
+
+
+def _missing(path: str) -> bool:
+    """Whether nothing is at ``path`` (ENOENT): an error that leaves it unread (ENOMEM) is no
+    evidence of a loss, where os.path.lexists would say False."""
+    try:
+        os.lstat(path)
+    except OSError as err:
+        return err.errno in GONE_ERRNOS
+    return False

@@ -191,6 +191,9 @@ def test_absent_leaders_are_only_pids_without_a_proc_directory() -> None:
     snapshot = builder.build()
     gone = absent_leaders("/proc", snapshot.processes, [os.getpid(), 4_000_000])
     assert gone == frozenset({4_000_001})  # os.getppid() exists; our own pid is a holder
+    # A look-up that fails otherwise (ENAMETOOLONG here, ENOMEM under memory pressure) is no
+    # evidence that the leader is gone.
+    assert absent_leaders("/" + "p" * 4096, snapshot.processes, [4_000_000]) == frozenset()
 
 
 # --- item 2: leaks from before the daemon watched ------------------------------------------------

@@ -35,6 +35,7 @@ KEEPER_FILE = str(Path(__file__).resolve().with_name("reaper.py"))
 _TICK = 0.05  # poll interval when pidfds are unavailable
 _DRAIN_GRACE = 0.2  # seconds to collect output after the command exits (grandchildren may hold it)
 _REAP_AFTER_KILL = 5.0  # seconds to wait for a SIGKILLed keeper to be reaped
+_ENVIRON_BYTES = 6 << 20  # exec's most for arguments and environment (3/4 of _STK_LIM, 8 MiB)
 _KEEPER_MARGIN = 8.0  # seconds past the timeout a keeper may take to end its tree (reaper.py)
 
 
@@ -370,19 +371,22 @@ def _read_status(fd: int, into: bytearray) -> bool:
 
 
 def _carries(pid: int, marker: bytes) -> bool:
+    """Whether ``pid``'s environment holds the entry ``marker``, in its first
+    :data:`_ENVIRON_BYTES`: all an exec gives, where any process may widen its own to
+    gigabytes (prctl PR_SET_MM_MAP), which read whole would exhaust the daemon's memory."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as handle:
-            return marker in handle.read().split(b"\0")
+            return b"\0" + marker + b"\0" in b"\0" + handle.read(_ENVIRON_BYTES)
     except OSError:
         return False
 
 
 def kill_marked(marker: bytes) -> None:
-    """SIGKILL every process whose environment carries ``marker`` (``NAME=value``), each
-    checked again through its pidfd (a reused PID is never hit)."""
+    """SIGKILL every process whose environment carries ``marker`` (``NAME=value``), read once
+    its pidfd is open: the signal goes through that pidfd, so a PID reused meanwhile is never
+    hit."""
     for name in os.listdir("/proc"):
-        other = name.isascii() and name.isdigit() and int(name) != os.getpid()
-        if not other or not _carries(int(name), marker):
+        if not name.isascii() or not name.isdigit() or int(name) == os.getpid():
             continue
         try:
             pidfd = os.pidfd_open(int(name))

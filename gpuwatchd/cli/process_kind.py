@@ -9,6 +9,8 @@ import os
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
+from gpuwatchd.collect.procfs import read_ids
+
 if TYPE_CHECKING:
     from gpuwatchd.collect.procfs import ProcFS
     from gpuwatchd.core.model import ProcessInfo
@@ -34,15 +36,16 @@ def look_at_process(proc_root: str, pid: int) -> str:
         return "gone"  # exited; its parent has not reaped it yet
     comm: str | None = None
     argv: list[str] = []
-    uid: list[bytes] = []
+    uid: int | None = None
     try:
         with open(os.path.join(base, "comm"), "rb") as handle:
             comm = handle.read(64).decode("utf-8", "replace").strip()
         with open(os.path.join(base, "cmdline"), "rb") as handle:
             raw = handle.read(4096)
         argv = [a.decode("utf-8", "replace") for a in raw.split(b"\0") if a]
-        with open(os.path.join(base, "status"), "rb") as handle:
-            uid = next((line.split()[1:2] for line in handle if line.startswith(b"Uid:")), [])
+        uid, _nspid, gone = read_ids(base)
+        if gone:
+            return "gone"
     except FileNotFoundError:
         return "gone"
     except OSError:
@@ -53,9 +56,9 @@ def look_at_process(proc_root: str, pid: int) -> str:
     named = any(name == "gpuwatchd" or name.startswith("gpuwatchd.") for name in names)
     if not (named or (comm or "").startswith("gpuwatchd")):
         return "other"
-    if not (uid and uid[0].isdigit()):
+    if uid is None:
         return "unknown"
-    return "gpuwatchd" if int(uid[0]) in (0, os.geteuid()) else "other"
+    return "gpuwatchd" if uid in (0, os.geteuid()) else "other"
 
 
 def lock_holder(

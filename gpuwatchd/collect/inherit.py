@@ -5,13 +5,14 @@ In detail: docs/findings.md ("ties") and docs/internals.md, `gpuwatchd.collect.i
 
 from __future__ import annotations
 
+import itertools
 import os
 import stat
 from collections.abc import Iterable, Mapping
 
 from gpuwatchd.collect.holders import HolderScanner
 from gpuwatchd.collect.kcmp import Kcmp
-from gpuwatchd.collect.statfiles import stat_cached
+from gpuwatchd.collect.statfiles import GONE_ERRNOS, stat_cached
 from gpuwatchd.core.model import FileSharing, HolderScan, ProcessIdentity, ProcessInfo
 from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.events import lazylog
@@ -112,36 +113,35 @@ class InheritanceProbe:
         return None if unknown else False
 
     def device_fds(self, pid: int) -> list[int] | None:
-        """The fd numbers of ``pid`` that are NVIDIA device files; None when unreadable."""
+        """The fd numbers of ``pid`` that are NVIDIA device files, the first
+        :data:`_MAX_DEVICE_FDS` in the listing's order (the kernel's: by number); None when
+        unreadable. Listed an entry at a time: any user may open half a million fds."""
         fd_dir = f"{self.root}/{pid}/fd"
         try:
-            names = os.listdir(fd_dir)
+            with os.scandir(fd_dir) as entries:
+                found = (
+                    int(entry.name)
+                    for entry in entries
+                    if entry.name.isascii() and entry.name.isdigit() and self._is_device(entry.path)
+                )
+                return sorted(itertools.islice(found, _MAX_DEVICE_FDS))
         except OSError:
             return None
+
+    def _is_device(self, fd_path: str) -> bool:
+        """Whether the fd at ``fd_path`` is an NVIDIA device file (False when it closed)."""
         devices = self.scanner.devices
-        fds: list[int] = []
-        for name in sorted((n for n in names if n.isascii() and n.isdigit()), key=int):
-            try:
-                target = os.readlink(f"{fd_dir}/{name}")
-            except OSError:
-                continue
+        try:
+            target = os.readlink(fd_path)
             if devices.match_by_path:
-                if devices.match_path(target) is None:
-                    continue
-            else:
-                if "/dev/" not in target and "nvidia" not in target:
-                    continue
-                try:
-                    st = stat_cached(f"{fd_dir}/{name}")
-                except OSError:
-                    continue
-                majors = {devices.device_major, devices.major("nvidia-uvm")}
-                if not stat.S_ISCHR(st.st_mode) or os.major(st.st_rdev) not in majors:
-                    continue
-            fds.append(int(name))
-            if len(fds) >= _MAX_DEVICE_FDS:
-                break
-        return fds
+                return devices.match_path(target) is not None
+            if "/dev/" not in target and "nvidia" not in target:
+                return False
+            st = stat_cached(fd_path)
+        except OSError:
+            return False
+        majors = {devices.device_major, devices.major("nvidia-uvm")}
+        return stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) in majors
 
 
 def _owners_above(
@@ -178,4 +178,14 @@ def absent_leaders(
         for leader in (proc.sid, proc.pgid):
             if leader is not None and leader > 1 and leader != pid and leader not in processes:
                 wanted.add(leader)
-    return frozenset(pid for pid in wanted if not os.path.lexists(f"{base}/{pid}"))
+    return frozenset(pid for pid in wanted if _missing(f"{base}/{pid}"))
+
+
+def _missing(path: str) -> bool:
+    """Whether nothing is at ``path`` (ENOENT): an error that leaves it unread (ENOMEM) is no
+    evidence of a loss, where os.path.lexists would say False."""
+    try:
+        os.lstat(path)
+    except OSError as err:
+        return err.errno in GONE_ERRNOS
+    return False

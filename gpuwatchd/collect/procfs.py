@@ -252,7 +252,7 @@ class ProcFS:
         fields = self.stat_unless_gone(pid)
         if fields is False:
             return None
-        uid, nspid, vanished = _read_ids(base)
+        uid, nspid, vanished = read_ids(base)
         kernel_thread = fields is not None and fields.kernel_thread
         cmdline: tuple[str, ...] | None = ()
         exe: str | None = None
@@ -358,9 +358,10 @@ class ProcFS:
         kids: set[int] = set()
         for tid in tids:
             try:
-                kids.update(int(n) for n in _read_text(f"{task_dir}/{tid}/children").split())
-            except (OSError, ValueError):
+                found = _read_text(f"{task_dir}/{tid}/children").split()
+            except OSError:
                 continue  # the thread ended
+            kids.update(int(n) for n in found if n.isascii() and n.isdigit())
         return sorted(kids)
 
     def _parents_by_scan(self) -> dict[int, list[int]]:
@@ -395,10 +396,11 @@ class ProcFS:
         return seen
 
 
-def _read_ids(base: str) -> tuple[int | None, tuple[int, ...] | None, bool]:
-    """The real uid and ``NSpid`` from ``status`` (None each when unreadable; a uid read
-    before a malformed ``NSpid`` stands), and whether it read as gone. The real uid: a user
-    running root's set-user-ID program (``passwd``) has the effective uid 0, not root's word."""
+def read_ids(base: str) -> tuple[int | None, tuple[int, ...] | None, bool]:
+    """The real uid and ``NSpid`` from the ``status`` of the process at ``base`` (None each
+    when unreadable; a uid read before a malformed ``NSpid`` stands), and whether it read as
+    gone. The real uid: a user running root's set-user-ID program (``passwd``) has the
+    effective uid 0, not root's word. Also how the CLI tells the daemon's user."""
     uid: int | None = None
     nspid: tuple[int, ...] | None = None
     vanished = False

@@ -39,7 +39,25 @@ def read_policy_files(
     drop_ins = find_drop_ins(path)
     if check_permissions:
         check_config_permissions(path, drop_ins, trusted_root=trusted_root)
-    return [(name, read_config_file(name)) for name in [path, *drop_ins]]
+    texts, problem = read_leading_files([path, *drop_ins])
+    if problem is not None:
+        raise problem
+    return texts
+
+
+def read_leading_files(paths: Sequence[str]) -> tuple[list[tuple[str, str]], ConfigError | None]:
+    """The leading run of ``paths`` that reads (a UTF-8 name, :func:`read_config_file`) as
+    (file name, text), and the ConfigError of the first that does not (None: all read)."""
+    texts: list[tuple[str, str]] = []
+    for path in paths:
+        try:
+            problem = _not_utf8_name(path)
+            if problem is not None:
+                raise problem
+            texts.append((path, read_config_file(path)))
+        except ConfigError as err:
+            return texts, err
+    return texts, None
 
 
 def find_drop_ins(main_file: str) -> list[str]:

@@ -9,7 +9,7 @@ import dataclasses
 import os
 import time
 
-from gpuwatchd.config.files import MAX_DROP_INS, check_config_permissions, read_config_file
+from gpuwatchd.config.files import MAX_DROP_INS, check_config_permissions, read_leading_files
 from gpuwatchd.config.peek import conf_d, drop_in_names
 from gpuwatchd.config.schema import default_policy, parse_policy_documents, render_policy
 from gpuwatchd.config.yamlsrc import MAX_DOCUMENT_BYTES, ConfigError
@@ -54,19 +54,13 @@ def save_accepted(state_dir: StateDir, policy: Policy) -> None:
 def _state_dir_hint(config_path: str) -> str:
     """Where the saved policy may be (docs/internals.md): the ``state_dir`` of the longest
     leading run of the configured files that loads, else the built-in default. A drop-in that
-    cannot be read (its name, its kind, its bytes: config/files.py) ends the run."""
+    cannot be read (its name, its kind, its bytes: config/files.read_leading_files) ends the run."""
     folder = conf_d(config_path)
     try:
         names = drop_in_names(folder)[:MAX_DROP_INS]
     except OSError:
         names = []
-    docs: list[tuple[str, str]] = []
-    for path in [config_path, *(os.path.join(folder, name) for name in names)]:
-        try:
-            path.encode("utf-8")  # a name that is not UTF-8 is refused
-            docs.append((path, read_config_file(path)))
-        except (UnicodeEncodeError, ConfigError):
-            break
+    docs, _problem = read_leading_files([config_path, *(os.path.join(folder, n) for n in names)])
     try:
         if os.geteuid() == 0:
             check_config_permissions(config_path, [path for path, _text in docs[1:]])

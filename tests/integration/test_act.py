@@ -13,11 +13,14 @@ import signal
 import subprocess
 import sys
 import time
+import tracemalloc
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from gpuwatchd.act import commands
 from gpuwatchd.act.commands import OUTPUT_LIMIT, fill_hooks, run_command, run_hooks
 from gpuwatchd.act.reset import perform_reset
 from gpuwatchd.act.reset_target import ResetTarget
@@ -26,6 +29,7 @@ from gpuwatchd.core.model import ProcessIdentity
 from gpuwatchd.core.vocabulary import SignalOutcome
 from gpuwatchd.decide.argv import format_argv, hook_environment
 from gpuwatchd.decide.policy import Hook
+from tests.support.children import Spawn
 from tests.support.fakesmi import FakeSmi
 from tests.support.liveness import is_dead
 from tests.support.resetrig import FakeEnvironment, make_policy
@@ -575,6 +579,69 @@ def test_a_child_that_left_the_process_group_is_killed_at_the_timeout_too(tmp_pa
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(escaped, signal.SIGKILL)  # our own grandchild, if the test failed
+
+
+def test_the_marker_fallback_reads_each_environment_once_and_kills_the_marked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """kill_marked reads every process's environment (a fallback): once each, after its pidfd
+    is open, not once to choose and again to confirm."""
+    value = uuid.uuid4().hex
+    marked = subprocess.Popen(["sleep", "1000"], env={"GPUWATCHD_COMMAND_ID": value})
+    plain = subprocess.Popen(["sleep", "1000"], env={})
+    reads: list[int] = []
+    carries = commands._carries
+
+    def counted(pid: int, wanted: bytes) -> bool:
+        reads.append(pid)
+        return carries(pid, wanted)
+
+    monkeypatch.setattr(commands, "_carries", counted)
+    try:
+        commands.kill_marked(f"GPUWATCHD_COMMAND_ID={value}".encode())
+        assert marked.wait(timeout=5) == -signal.SIGKILL
+        assert plain.poll() is None
+        assert reads.count(marked.pid) == 1
+        assert reads.count(plain.pid) == 1
+    finally:
+        for proc in (marked, plain):
+            proc.kill()
+            proc.wait()
+
+
+# Any user's process may point its environment at any memory of its own (PR_SET_MM_MAP).
+WIDE_ENVIRONMENT = """
+import ctypes, mmap, struct
+libc = ctypes.CDLL(None, use_errno=True)
+libc.sbrk.restype = ctypes.c_void_p
+with open("/proc/self/stat") as handle:
+    field = [0, 0, 0, 0, *map(int, handle.read().rpartition(")")[2].split()[1:])]  # 1-based
+size = 64 << 20
+area = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+area.write(b"x" * size)
+start = ctypes.addressof(ctypes.c_char.from_buffer(area))
+ids = (26, 27, 45, 46, 47)  # start_code, end_code, start_data, end_data, start_brk
+mm = [field[n] for n in ids] + [libc.sbrk(0)] + [field[n] for n in (28, 48, 49)]
+mm_map = struct.pack("11QQIi", *mm, start, start + size, 0, 0, -1)
+assert libc.prctl(35, 14, mm_map, len(mm_map), 0) == 0, ctypes.get_errno()  # PR_SET_MM_MAP
+print("ready", flush=True)
+input()
+"""
+
+
+def test_an_environment_of_any_size_is_read_bounded(spawn: Spawn) -> None:
+    """The marker fallback reads every process's environment: one a user widened to 64 MiB
+    (gigabytes as easily) is read no further than exec could have filled it."""
+    wide = spawn(WIDE_ENVIRONMENT)
+    with open(f"/proc/{wide.pid}/environ", "rb") as handle:
+        assert len(handle.read(7 << 20)) == 7 << 20  # past what an exec can give
+    tracemalloc.start()
+    try:
+        assert not commands._carries(wide.pid, b"GPUWATCHD_COMMAND_ID=" + b"0" * 32)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, f"{peak >> 20} MiB held to read a 64 MiB environment"
 
 
 def test_each_command_gets_its_own_marker() -> None:

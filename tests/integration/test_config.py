@@ -15,7 +15,11 @@ from gpuwatchd.act.reset_target import (
     ResetTarget,
     prepare_commands,
 )
-from gpuwatchd.config.files import check_config_permissions
+from gpuwatchd.config.files import (
+    check_config_permissions,
+    read_leading_files,
+    read_policy_files,
+)
 from gpuwatchd.config.keys import normalize_gpu_id
 from gpuwatchd.config.schema import (
     default_policy,
@@ -741,6 +745,35 @@ def test_missing_main_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not found") as caught:
         load_policy(str(missing), check_permissions=False)
     assert caught.value.path == str(missing)
+
+
+@pytest.mark.parametrize("how", ["fifo", "bytes-not-utf8", "name-not-utf8"])
+def test_the_leading_files_that_read_stop_at_an_unreadable_one_in_the_middle(
+    tmp_path: Path, how: str
+) -> None:
+    """One reader for both callers: the files before an unreadable drop-in are read, in order,
+    and its ConfigError names it; the drop-in after it is not read."""
+    main_file = write_config(tmp_path, MAIN, {"10-a.yaml": "interval: 5s\n"})
+    conf_d = main_file.parent / "conf.d"
+    bad = str(conf_d / "20-b.yaml")
+    if how == "fifo":
+        os.mkfifo(bad)
+    elif how == "bytes-not-utf8":
+        Path(bad).write_bytes(b"# r\xe4te\n")
+    else:
+        bad = os.fsdecode(os.path.join(os.fsencode(conf_d), b"20-r\xe4te.yaml"))
+        Path(bad).write_text("interval: 6s\n")
+    (conf_d / "30-c.yaml").write_text("interval: 7s\n")
+    paths = [str(main_file), str(conf_d / "10-a.yaml"), bad, str(conf_d / "30-c.yaml")]
+    texts, problem = read_leading_files(paths)
+    assert texts == [(str(main_file), MAIN), (paths[1], "interval: 5s\n")]
+    assert problem is not None
+    assert "20-" in str(problem.path)
+    assert read_leading_files(paths[:2]) == (texts, None)
+    if how == "bytes-not-utf8":  # the other two are refused when the drop-ins are listed
+        with pytest.raises(ConfigError) as caught:
+            read_policy_files(str(main_file), check_permissions=False)
+        assert (caught.value.path, caught.value.message) == (problem.path, problem.message)
 
 
 # --- the shipped config and rendering -----------------------------------------------------------

@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import tracemalloc
 from collections.abc import Iterator
 
 import pytest
@@ -27,6 +28,7 @@ from gpuwatchd.decide.floor import driver_refusers, reset_blockers
 from tests.support.children import Spawn
 from tests.support.collecting import fake_collector
 from tests.support.fakenvml import FakeNvml, gpu, process, state
+from tests.support.fakeproc import FakeProc
 from tests.support.orphancases import DEFAULT, LEAK, OPT_IN, run
 from tests.support.snapshots import HostBuilder, cg_session, cg_unit, gpu_uuid
 
@@ -150,6 +152,33 @@ def test_a_process_s_fds_are_read_once_per_comparison_whatever_its_pairs(
     assert sorted(reads) == sorted([owner, inherited, own])
 
 
+def test_a_table_of_many_fds_is_listed_an_entry_at_a_time_and_its_device_fds_capped(
+    fake: FakeProc, devices: pathlib.Path
+) -> None:
+    """Any user may open half a million fds: listed whole, their names alone are 30 MB held for
+    each new pair a poll compares. An entry at a time, the memory held does not grow with the
+    table; at most _MAX_DEVICE_FDS device fds are kept whatever their number."""
+    fake.add(740)
+    for fd in range(3, 10_003):
+        fake.open_fd(740, fd, "/home/u/f")
+    fake.add(741, fds={fd: str(devices / "nvidia0") for fd in range(3, 203)})
+    procfs = ProcFS(str(fake.root), devices_dir=str(devices))
+    probe = InheritanceProbe(procfs.holders, str(fake.root))
+    tracemalloc.start()
+    try:
+        assert probe.device_fds(740) == []
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 10, f"{peak >> 10} KiB held to list 10,000 fds"
+    capped = probe.device_fds(741)
+    assert capped is not None
+    assert len(capped) == 64
+    assert set(capped) <= set(range(3, 203))
+    assert capped == sorted(capped)
+    assert probe.device_fds(742) is None  # no such process: unreadable
+
+
 def test_unknown_when_kcmp_is_refused() -> None:
     refused = Kcmp(number=-1)  # no such syscall: ENOSYS, as under a seccomp filter
     assert refused.same_file(os.getpid(), 0, os.getpid(), 0) is None
@@ -162,6 +191,9 @@ def test_absent_leaders_are_only_pids_without_a_proc_directory() -> None:
     snapshot = builder.build()
     gone = absent_leaders("/proc", snapshot.processes, [os.getpid(), 4_000_000])
     assert gone == frozenset({4_000_001})  # os.getppid() exists; our own pid is a holder
+    # A look-up that fails otherwise (ENAMETOOLONG here, ENOMEM under memory pressure) is no
+    # evidence that the leader is gone.
+    assert absent_leaders("/" + "p" * 4096, snapshot.processes, [4_000_000]) == frozenset()
 
 
 # --- item 2: leaks from before the daemon watched ------------------------------------------------

@@ -7,7 +7,9 @@ is tests/unit/test_cgroups.py.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -259,9 +261,11 @@ def test_names_that_python_calls_digits_but_are_not_ascii_are_no_pids(
         (base / "task" / name).mkdir()  # a second "thread": the holder scan lists task/
         (base / "fd" / name).symlink_to(f"{devices}/nvidia0")
     (fake.root / "2" / "task" / "2" / "children").write_text("300 ² ١٢ ")
+    (base / "task" / "300" / "children").write_text("١٢ ² 301 ")
     procfs = ProcFS(str(fake.root), devices_dir=str(devices), match_by_path=True)
     assert sorted(procfs.list_pids()) == [2, 300]
     assert procfs.kernel_threads() == {2}
+    assert procfs.children(300) == [301]  # neither dropped nor read as PID 12
     assert set(procfs.holders.scan().holdings) == {300}
     assert InheritanceProbe(procfs.holders, str(fake.root)).device_fds(300) == [3]
     lines = "".join(f"{name} x\n" for name in odd)
@@ -381,6 +385,32 @@ def test_real_vanished_pid_reads_as_none(devices: Path) -> None:
     procfs = ProcFS(devices_dir=str(devices))
     assert procfs.read_process(child.pid) is None
     assert procfs.holders.scan([child.pid]).holdings == {}
+
+
+def test_a_child_forked_by_a_thread_is_listed_in_that_threads_children_file_only(
+    spawn: Spawn,
+) -> None:
+    """Why children() reads every thread's file (a holder's data loader thread starts the
+    workers): the kernel lists a child under the thread that forked it, not the leader."""
+    code = (
+        "import subprocess, sys, threading, time\n"
+        "def fork():\n"
+        "    g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "    print('ready', flush=True); print(threading.get_native_id(), g.pid, flush=True)\n"
+        "    g.wait()\n"
+        "threading.Thread(target=fork).start()\n"
+    )
+    child = spawn(code)
+    assert child.stdout is not None
+    tid, grandchild = (int(n) for n in child.stdout.readline().split())
+    try:
+        task = Path(f"/proc/{child.pid}/task")
+        assert (task / str(child.pid) / "children").read_text().split() == []
+        assert (task / str(tid) / "children").read_text().split() == [str(grandchild)]
+        assert ProcFS().children(child.pid) == [grandchild]
+    finally:
+        os.kill(grandchild, signal.SIGKILL)  # unreaped until its parent waits: not reused
+        child.wait(timeout=10)
 
 
 def test_real_descendants_include_grandchildren(spawn: Spawn) -> None:

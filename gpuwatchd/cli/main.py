@@ -512,7 +512,7 @@ def _pause(args: argparse.Namespace) -> int:
     from gpuwatchd.collect.procfs import ProcFS
     from gpuwatchd.config.yamlsrc import ConfigError
     from gpuwatchd.state.directory import StateDir
-    from gpuwatchd.state.pause import clear_latches, note_resume, set_pause
+    from gpuwatchd.state.pause import set_pause
 
     policy = _policy(args)
     path, paused = policy.state_dir, args.command == "pause"
@@ -536,12 +536,8 @@ def _pause(args: argparse.Namespace) -> int:
             set_pause(state_dir, reason=args.reason, clock=clock, seconds=length)
             when = stamp(ends, zone=True)
             print(f"gpuwatchd: actions paused for {duration(length)}, until {when} ({path})")
-        else:  # the pause is removed last: a write that fails before leaves it in force
-            if args.reason:
-                note_resume(state_dir, args.reason)
-            if args.clear_latches:
-                clear_latches(state_dir)
-            set_pause(state_dir, reason=None)
+        else:
+            set_pause(state_dir, reason=None, note=args.reason, clear=args.clear_latches)
             print("gpuwatchd: actions resumed")
     return ExitCode.OK
 

@@ -50,12 +50,20 @@ def set_pause(
     reason: str | None,
     clock: BootTime | None = None,
     seconds: float | None = None,
+    note: str = "",
+    clear: bool = False,
 ) -> None:
     """Pause (``reason`` a string, may be empty) for ``seconds`` from ``clock`` (now), the
-    note of a resume the daemon has not seen discarded; or resume (``reason`` None). Both
-    hold the switches' lock, so the daemon's cut or end of a pause never undoes them."""
+    note of a resume the daemon has not seen discarded; or resume (``reason`` None), first
+    leaving its ``note`` and the request to ``clear`` the latches. Both hold the switches'
+    lock (nothing is written without it), so the daemon's cut or end of a pause never undoes
+    them."""
     with state_dir.switch_lock():
-        if reason is None:
+        if reason is None:  # the pause is removed last: a write that fails before leaves it
+            if note:
+                note_resume(state_dir, note)
+            if clear:
+                clear_latches(state_dir)
             state_dir.discard(PAUSE_FILE)
             return
         stamp: dict[str, object] = {"since": time.time(), "until": None}

@@ -208,6 +208,21 @@ def test_resume_while_the_switches_lock_stays_taken_changes_nothing_and_says_so(
     assert main(["resume", "--config", str(config)]) == 0
 
 
+def test_resume_with_a_reason_and_clear_latches_while_the_lock_stays_taken_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Exit 74 says the switch is unchanged: the resume note and the clear-latches request were
+    written before the lock was tried, so the daemon's next poll cleared the latches anyway."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"state_dir: {tmp_path}/st\n")
+    assert main(["pause", "--config", str(config), "--reason", "x"]) == 0
+    monkeypatch.setattr(StateDir, "sleep", staticmethod(lambda seconds: None))
+    resume = ["resume", "--config", str(config), "--reason", "done", "--clear-latches"]
+    with StateDir.open(str(tmp_path / "st")) as held, held.switch_lock():
+        assert main(resume) == 74
+    assert sorted(p.name for p in (tmp_path / "st").iterdir()) == [PAUSE_FILE, "switches.lock"]
+
+
 def test_a_pause_file_from_before_the_boot_clock_ends_by_its_wall_end(state: StateDir) -> None:
     state.write(PAUSE_FILE, json.dumps({"reason": "old", "since": NOW, "until": NOW + 60}).encode())
     assert poll_pause(state, BootTime(NOW + 59, 1.0, "b1"), max_pause=DAY).until == NOW + 60

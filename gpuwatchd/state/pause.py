@@ -105,13 +105,19 @@ def note_resume(state_dir: StateDir, reason: str) -> None:
 
 
 def _take_resume_note(state_dir: StateDir) -> str | None:
+    """The note's reason, read and removed under the switches' lock (a newer note landing in
+    between is never removed unread); the lock held 2 s by another: None, the note left."""
     try:
-        raw = state_dir.read(RESUMED_FILE, MAX_PAUSE_FILE)
+        state_dir.read(RESUMED_FILE, 0)  # no note, as at nearly every poll: no lock taken
     except FileNotFoundError:
         return None
-    except OSError:  # untrusted or unreadable: never shown, never left to explain a later one
-        raw = b""
-    state_dir.remove(RESUMED_FILE)
+    except OSError:
+        pass  # removed below
+    raw = b""  # untrusted or unreadable: never shown, never left to explain a later one
+    with contextlib.suppress(OSError), state_dir.switch_lock():
+        with contextlib.suppress(OSError):
+            raw = state_dir.read(RESUMED_FILE, MAX_PAUSE_FILE)
+        state_dir.remove(RESUMED_FILE)
     try:
         reason = RESUMED.load(raw).get("reason")
     except ValueError:

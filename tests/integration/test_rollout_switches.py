@@ -246,6 +246,24 @@ def test_resume_reason_is_said_once_and_then_consumed(state: StateDir, tmp_path:
     assert poll_pause(state, clock, max_pause=DAY).resumed == "gpuwatchd resume"
 
 
+def test_a_resume_note_left_after_the_daemons_read_of_the_last_is_never_removed_unread(
+    state: StateDir,
+) -> None:
+    """The daemon read the note, then removed the file without the switches' lock: a ``pause``
+    and ``resume --reason`` landing in between lost the newer reason, never said."""
+    clock = BootTime(NOW, 1.0, "b1")
+    note_resume(state, "old")
+
+    def pause_and_resume(own: StateDir) -> None:
+        set_pause(own, reason="maintenance", clock=clock, seconds=3600)
+        set_pause(own, reason=None, note="new")
+
+    with admin_in_the_daemons_read(state, 1, pause_and_resume):
+        taken = poll_pause(state, clock, max_pause=DAY).resumed
+    later = poll_pause(state, clock, max_pause=DAY).resumed
+    assert "gpuwatchd resume: new" in (taken, later)
+
+
 def test_a_new_pause_discards_the_note_of_a_resume_the_daemon_never_saw(
     state: StateDir, tmp_path: Path
 ) -> None:

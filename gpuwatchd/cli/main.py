@@ -495,6 +495,8 @@ def _writing(state_dir: str, unchanged: str) -> Iterator[None]:
     that leaves as it was)."""
     try:
         yield
+    except StateDirError:
+        raise  # not trusted, so never written: main's line, exit 78
     except PermissionError as exc:
         where = exc.filename or state_dir
         raise CliError(f"{where}: permission denied (run as root)", ExitCode.NOPERM) from exc

@@ -701,6 +701,18 @@ def test_spare_without_a_target_is_refused_naming_what_is_missing_not_a_listing(
     assert listed.endswith("}\nno spares\n")
 
 
+@pytest.mark.parametrize("args", [["--list"], ["job:42", "--cancel"]])
+def test_spare_refuses_a_state_dir_that_cannot_be_trusted_with_exit_78_as_every_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str]
+) -> None:
+    """Its StateDirError (an OSError) was taken for a failed write: exit 74, the reason twice."""
+    (tmp_path / "st").write_text("")
+    config = tmp_path / "c.yaml"
+    config.write_text(f"state_dir: {tmp_path}/st\n")
+    assert main(["spare", "--config", str(config), *args]) == 78
+    assert capsys.readouterr().err.count("not a directory") == 1
+
+
 def test_spare_of_a_thread_id_is_refused_naming_its_process(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

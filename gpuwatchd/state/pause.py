@@ -60,11 +60,17 @@ def set_pause(
     them."""
     with state_dir.switch_lock():
         if reason is None:  # the pause is removed last: a write that fails before leaves it
-            if note:
-                note_resume(state_dir, note)
-            if clear:
-                clear_latches(state_dir)
-            state_dir.discard(PAUSE_FILE)
+            try:
+                if note:
+                    note_resume(state_dir, note)
+                if clear:
+                    clear_latches(state_dir)
+                state_dir.discard(PAUSE_FILE)
+            except OSError:  # and none of the resume's requests, to act later
+                for name, wrote in ((RESUMED_FILE, note), (CLEAR_LATCHES_FILE, clear)):
+                    if wrote:
+                        state_dir.remove(name)
+                raise
             return
         stamp: dict[str, object] = {"since": time.time(), "until": None}
         if clock is not None and seconds is not None:

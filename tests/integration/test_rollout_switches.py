@@ -295,6 +295,14 @@ def test_a_failed_clear_latches_request_leaves_the_pause_in_force_as_it_says(
     assert main(["resume", "--config", str(config), "--clear-latches"]) == 74
     assert "the switch is not changed" in capsys.readouterr().err
     assert (tmp_path / "st" / PAUSE_FILE).exists()
+    # With --reason, its note was left to explain the next, plain resume.
+    resume = ["resume", "--config", str(config), "--reason", "done", "--clear-latches"]
+    assert main(resume) == 74
+    assert not (tmp_path / "st" / RESUMED_FILE).exists()
+    monkeypatch.undo()  # the pause that cannot be removed: the request it wrote is withdrawn
+    monkeypatch.setattr(StateDir, "discard", lambda self, name: full_disk(self))
+    assert main(resume) == 74
+    assert sorted(p.name for p in (tmp_path / "st").iterdir()) == [PAUSE_FILE, "switches.lock"]
 
 
 def test_pause_for_longer_than_max_pause_is_refused_and_nothing_changes(

@@ -51,3 +51,17 @@ def test_each_command_help_lists_every_exit_code_the_operations_table_gives_it()
             if named and int(row.group(1)) not in _help_codes(name):
                 missing.append(f"{name}: {row.group(1)}")
     assert missing == []
+
+
+def test_each_exit_status_of_the_man_page_that_names_commands_names_every_one_using_it() -> None:
+    """The man page's 74 named pause and resume, not spare, whose --help lists it."""
+    man = Path(__file__).resolve().parents[2] / "docs" / "man" / "gpuwatchd.8"
+    section = man.read_text().split(".SH EXIT STATUS", 1)[1].split("\n.SH ", 1)[0]
+    entries = {int(b.split()[1]): b.replace("\\-", "-") for b in section.split("\n.TP\n")[1:]}
+    missing = []
+    for code, text in entries.items():
+        named = [name for name in _commands() if re.search(rf"\b{name}\b", text)]
+        users = [name for name in _commands() if code in _help_codes(name)]
+        if named and code not in (0, 2, 77, 78):  # those every command shares
+            missing += [f"{code}: {name}" for name in users if name not in named]
+    assert missing == []

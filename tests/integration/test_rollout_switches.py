@@ -501,6 +501,23 @@ def test_a_spare_cancelled_or_given_again_beside_the_daemons_cut_is_never_undone
     assert [spare.reason for spare in spares] == ([] if cancel else ["new"])
 
 
+def test_a_spare_given_again_as_the_daemon_removes_the_ended_one_is_never_removed(
+    state: StateDir,
+) -> None:
+    """The daemon removed a spare whose time was up by its name, without the switches' lock
+    or a look at what it removed: a new spare of the target landing after its read went with
+    it, though ``spare`` said the target was spared."""
+    write_spare(state, "job:slurm:9", clock=GIVEN, seconds=60, reason="old", job="slurm:9")
+
+    def again(own: StateDir) -> None:
+        write_spare(own, "job:slurm:9", clock=GIVEN, seconds=3600, reason="new", job="slurm:9")
+
+    with admin_in_the_daemons_read(state, 1, again):
+        read_spares(state, boot(NOW + 61, 1061.0), max_spare=DAY, remove_stale=True)
+    spares = read_spares(state, boot(NOW + 70, 1070.0), max_spare=DAY).spares
+    assert [spare.reason for spare in spares] == ["new"]
+
+
 @pytest.mark.parametrize(
     "text", ["0", "1", "abc", "job:", "job:42;rm", "pid:12", "job:nope:1", "²", "9" * 5000]
 )

@@ -66,7 +66,7 @@ def set_pause(
                 if clear:
                     clear_latches(state_dir)
                 state_dir.discard(PAUSE_FILE)
-            except OSError:  # and none of the resume's requests, to act later
+            except OSError:  # nor a request of this resume left to act later
                 for name, wrote in ((RESUMED_FILE, note), (CLEAR_LATCHES_FILE, clear)):
                     if wrote:
                         state_dir.remove(name)

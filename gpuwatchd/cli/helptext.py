@@ -15,6 +15,7 @@ COMMAND_HELP: dict[str, tuple[str, dict[int, str]]] = {
         {
             0: "the report was printed (findings do not change the code)",
             69: "NVML or the driver unavailable, or wedged",
+            75: "the report was printed, but the daemon's saved state cannot be read",
         },
     ),
     "run": (
@@ -76,7 +77,7 @@ COMMAND_HELP: dict[str, tuple[str, dict[int, str]]] = {
     "reload": (
         "Check the policy, then make the running daemon reread it (where systemd does not run "
         "it: a Kubernetes pod).",
-        {0: "reloaded", 3: "no running daemon found"},
+        {0: "reloaded", 3: "no running daemon found", 69: "no pidfd to signal the daemon with"},
     ),
     "status": (
         "What the daemon is doing, read from its state: mode, NVML, findings, actions under "

@@ -495,6 +495,8 @@ def _writing(state_dir: str, unchanged: str) -> Iterator[None]:
     that leaves as it was)."""
     try:
         yield
+    except StateDirError:
+        raise  # not trusted, so never written: main's line, exit 78
     except PermissionError as exc:
         where = exc.filename or state_dir
         raise CliError(f"{where}: permission denied (run as root)", ExitCode.NOPERM) from exc
@@ -512,7 +514,7 @@ def _pause(args: argparse.Namespace) -> int:
     from gpuwatchd.collect.procfs import ProcFS
     from gpuwatchd.config.yamlsrc import ConfigError
     from gpuwatchd.state.directory import StateDir
-    from gpuwatchd.state.pause import clear_latches, note_resume, set_pause
+    from gpuwatchd.state.pause import set_pause
 
     policy = _policy(args)
     path, paused = policy.state_dir, args.command == "pause"
@@ -536,12 +538,8 @@ def _pause(args: argparse.Namespace) -> int:
             set_pause(state_dir, reason=args.reason, clock=clock, seconds=length)
             when = stamp(ends, zone=True)
             print(f"gpuwatchd: actions paused for {duration(length)}, until {when} ({path})")
-        else:  # the pause is removed last: a write that fails before leaves it in force
-            if args.reason:
-                note_resume(state_dir, args.reason)
-            if args.clear_latches:
-                clear_latches(state_dir)
-            set_pause(state_dir, reason=None)
+        else:
+            set_pause(state_dir, reason=None, note=args.reason, clear=args.clear_latches)
             print("gpuwatchd: actions resumed")
     return ExitCode.OK
 

@@ -50,13 +50,27 @@ def set_pause(
     reason: str | None,
     clock: BootTime | None = None,
     seconds: float | None = None,
+    note: str = "",
+    clear: bool = False,
 ) -> None:
     """Pause (``reason`` a string, may be empty) for ``seconds`` from ``clock`` (now), the
-    note of a resume the daemon has not seen discarded; or resume (``reason`` None). Both
-    hold the switches' lock, so the daemon's cut or end of a pause never undoes them."""
+    note of a resume the daemon has not seen discarded; or resume (``reason`` None), first
+    leaving its ``note`` and the request to ``clear`` the latches. Both hold the switches'
+    lock (nothing is written without it), so the daemon's cut or end of a pause never undoes
+    them."""
     with state_dir.switch_lock():
-        if reason is None:
-            state_dir.discard(PAUSE_FILE)
+        if reason is None:  # the pause is removed last: a write that fails before leaves it
+            try:
+                if note:
+                    note_resume(state_dir, note)
+                if clear:
+                    clear_latches(state_dir)
+                state_dir.discard(PAUSE_FILE)
+            except OSError:  # nor a request of this resume left to act later
+                for name, wrote in ((RESUMED_FILE, note), (CLEAR_LATCHES_FILE, clear)):
+                    if wrote:
+                        state_dir.remove(name)
+                raise
             return
         stamp: dict[str, object] = {"since": time.time(), "until": None}
         if clock is not None and seconds is not None:
@@ -97,13 +111,19 @@ def note_resume(state_dir: StateDir, reason: str) -> None:
 
 
 def _take_resume_note(state_dir: StateDir) -> str | None:
+    """The note's reason, read and removed under the switches' lock (a newer note landing in
+    between is never removed unread); the lock held 2 s by another: None, the note left."""
     try:
-        raw = state_dir.read(RESUMED_FILE, MAX_PAUSE_FILE)
+        state_dir.read(RESUMED_FILE, 0)  # no note, as at nearly every poll: no lock taken
     except FileNotFoundError:
         return None
-    except OSError:  # untrusted or unreadable: never shown, never left to explain a later one
-        raw = b""
-    state_dir.remove(RESUMED_FILE)
+    except OSError:
+        pass  # removed below
+    raw = b""  # untrusted or unreadable: never shown, never left to explain a later one
+    with contextlib.suppress(OSError), state_dir.switch_lock():
+        with contextlib.suppress(OSError):
+            raw = state_dir.read(RESUMED_FILE, MAX_PAUSE_FILE)
+        state_dir.remove(RESUMED_FILE)
     try:
         reason = RESUMED.load(raw).get("reason")
     except ValueError:

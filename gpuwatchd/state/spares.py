@@ -154,6 +154,7 @@ def read_spares(
     problems: list[str] = []
     cut: list[tuple[Spare, float]] = []
     for name in names[: 4 * MAX_SPARES]:
+        raw = None
         try:
             raw = state_dir.read(name, MAX_SPARE_FILE)
             data = SPARE.load(raw)
@@ -173,8 +174,10 @@ def read_spares(
                         state_dir.rewrite(name, raw, SPARE.encode(body), MAX_SPARE_FILE)
                 found.append(spare)
                 continue
-        if remove_stale:
-            state_dir.remove(name)
+        if remove_stale and raw is not None:  # unless a new spare replaced it since
+            state_dir.rewrite(name, raw, None, MAX_SPARE_FILE)
+        elif remove_stale:
+            state_dir.remove(name)  # unreadable (a link, a FIFO): no spare of the admin's
     found.sort(key=lambda spare: (spare.until, spare.target))
     past = f"more than {MAX_SPARES} spares at once; honoured when one ends"
     over = [f"{spare.target}: {past}" for spare in found[MAX_SPARES:]]

@@ -208,6 +208,21 @@ def test_resume_while_the_switches_lock_stays_taken_changes_nothing_and_says_so(
     assert main(["resume", "--config", str(config)]) == 0
 
 
+def test_resume_with_a_reason_and_clear_latches_while_the_lock_stays_taken_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Exit 74 says the switch is unchanged: the resume note and the clear-latches request were
+    written before the lock was tried, so the daemon's next poll cleared the latches anyway."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"state_dir: {tmp_path}/st\n")
+    assert main(["pause", "--config", str(config), "--reason", "x"]) == 0
+    monkeypatch.setattr(StateDir, "sleep", staticmethod(lambda seconds: None))
+    resume = ["resume", "--config", str(config), "--reason", "done", "--clear-latches"]
+    with StateDir.open(str(tmp_path / "st")) as held, held.switch_lock():
+        assert main(resume) == 74
+    assert sorted(p.name for p in (tmp_path / "st").iterdir()) == [PAUSE_FILE, "switches.lock"]
+
+
 def test_a_pause_file_from_before_the_boot_clock_ends_by_its_wall_end(state: StateDir) -> None:
     state.write(PAUSE_FILE, json.dumps({"reason": "old", "since": NOW, "until": NOW + 60}).encode())
     assert poll_pause(state, BootTime(NOW + 59, 1.0, "b1"), max_pause=DAY).until == NOW + 60
@@ -229,6 +244,24 @@ def test_resume_reason_is_said_once_and_then_consumed(state: StateDir, tmp_path:
     assert poll_pause(state, clock, max_pause=DAY).resumed == "gpuwatchd resume: upgrade done"
     assert not (tmp_path / RESUMED_FILE).exists()
     assert poll_pause(state, clock, max_pause=DAY).resumed == "gpuwatchd resume"
+
+
+def test_a_resume_note_left_after_the_daemons_read_of_the_last_is_never_removed_unread(
+    state: StateDir,
+) -> None:
+    """The daemon read the note, then removed the file without the switches' lock: a ``pause``
+    and ``resume --reason`` landing in between lost the newer reason, never said."""
+    clock = BootTime(NOW, 1.0, "b1")
+    note_resume(state, "old")
+
+    def pause_and_resume(own: StateDir) -> None:
+        set_pause(own, reason="maintenance", clock=clock, seconds=3600)
+        set_pause(own, reason=None, note="new")
+
+    with admin_in_the_daemons_read(state, 1, pause_and_resume):
+        taken = poll_pause(state, clock, max_pause=DAY).resumed
+    later = poll_pause(state, clock, max_pause=DAY).resumed
+    assert "gpuwatchd resume: new" in (taken, later)
 
 
 def test_a_new_pause_discards_the_note_of_a_resume_the_daemon_never_saw(
@@ -262,6 +295,14 @@ def test_a_failed_clear_latches_request_leaves_the_pause_in_force_as_it_says(
     assert main(["resume", "--config", str(config), "--clear-latches"]) == 74
     assert "the switch is not changed" in capsys.readouterr().err
     assert (tmp_path / "st" / PAUSE_FILE).exists()
+    # With --reason, its note was left to explain the next, plain resume.
+    resume = ["resume", "--config", str(config), "--reason", "done", "--clear-latches"]
+    assert main(resume) == 74
+    assert not (tmp_path / "st" / RESUMED_FILE).exists()
+    monkeypatch.undo()  # the pause that cannot be removed: the request it wrote is withdrawn
+    monkeypatch.setattr(StateDir, "discard", lambda self, name: full_disk(self))
+    assert main(resume) == 74
+    assert sorted(p.name for p in (tmp_path / "st").iterdir()) == [PAUSE_FILE, "switches.lock"]
 
 
 def test_pause_for_longer_than_max_pause_is_refused_and_nothing_changes(
@@ -458,6 +499,23 @@ def test_a_spare_cancelled_or_given_again_beside_the_daemons_cut_is_never_undone
         read_spares(state, boot(NOW + 10, 1010.0), max_spare=DAY, remove_stale=True)
     spares = read_spares(state, boot(NOW + 20, 1020.0), max_spare=DAY).spares
     assert [spare.reason for spare in spares] == ([] if cancel else ["new"])
+
+
+def test_a_spare_given_again_as_the_daemon_removes_the_ended_one_is_never_removed(
+    state: StateDir,
+) -> None:
+    """The daemon removed a spare whose time was up by its name, without the switches' lock
+    or a look at what it removed: a new spare of the target landing after its read went with
+    it, though ``spare`` said the target was spared."""
+    write_spare(state, "job:slurm:9", clock=GIVEN, seconds=60, reason="old", job="slurm:9")
+
+    def again(own: StateDir) -> None:
+        write_spare(own, "job:slurm:9", clock=GIVEN, seconds=3600, reason="new", job="slurm:9")
+
+    with admin_in_the_daemons_read(state, 1, again):
+        read_spares(state, boot(NOW + 61, 1061.0), max_spare=DAY, remove_stale=True)
+    spares = read_spares(state, boot(NOW + 70, 1070.0), max_spare=DAY).spares
+    assert [spare.reason for spare in spares] == ["new"]
 
 
 @pytest.mark.parametrize(
@@ -666,6 +724,18 @@ def test_spare_without_a_target_is_refused_naming_what_is_missing_not_a_listing(
     listed = capsys.readouterr().out  # spare alone and --list as text, --json as JSON
     assert listed.startswith("no spares\n{")
     assert listed.endswith("}\nno spares\n")
+
+
+@pytest.mark.parametrize("args", [["--list"], ["job:42", "--cancel"]])
+def test_spare_refuses_a_state_dir_that_cannot_be_trusted_with_exit_78_as_every_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str]
+) -> None:
+    """Its StateDirError (an OSError) was taken for a failed write: exit 74, the reason twice."""
+    (tmp_path / "st").write_text("")
+    config = tmp_path / "c.yaml"
+    config.write_text(f"state_dir: {tmp_path}/st\n")
+    assert main(["spare", "--config", str(config), *args]) == 78
+    assert capsys.readouterr().err.count("not a directory") == 1
 
 
 def test_spare_of_a_thread_id_is_refused_naming_its_process(

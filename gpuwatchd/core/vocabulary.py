@@ -99,6 +99,7 @@ class EventName(_Name):
     HEALTH_XID = "health.xid"  # decide/health/xid_sources.py
     STATE_BOOT_CHANGED = "state.boot_changed"
     CLOCK_STEPPED_BACK = "clock.stepped_back"
+    CLOCK_STEPPED_FORWARD = "clock.stepped_forward"
     # carrying out (engine.py, act/)
     ACTION_SIGNAL = "action.signal"
     ACTION_WITHHELD = "action.withheld"

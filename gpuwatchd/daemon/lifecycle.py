@@ -751,7 +751,7 @@ class Daemon:
         key = (
             boot_id,
             state.assess,
-            dataclasses.replace(state.plan, last_wall=None),
+            dataclasses.replace(state.plan, last_wall=None, last_monotonic=None),
             state.reset_in_progress,
             self.actions_seen,
             self.policy,  # a reload (the same object is compared by identity: cheap)

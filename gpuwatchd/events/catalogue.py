@@ -318,6 +318,8 @@ TARGET_STUCK CRITICAL: LADDER PROCESS why
     {target} is stuck in D state and is never signalled{why}.
 CLOCK_STEPPED_BACK WARNING: seconds wall
     The wall clock went back {seconds:seconds}: counted as no time passed.
+CLOCK_STEPPED_FORWARD WARNING: seconds wall
+    The wall clock went {seconds:seconds} ahead of the monotonic clock: counted as no time passed.
 ACTION_WITHHELD ERROR: why steps
     Not done, the state cannot be saved: {steps:items}; tried again next poll.
 TARGET_EXITED INFO: pid start_ticks

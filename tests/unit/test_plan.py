@@ -921,10 +921,51 @@ def test_reset_cooldown_and_limit_per_window_with_wall_clock_stepping_back() -> 
     assert EventName.RESET_LIMIT_REACHED in names(r)
     # A restart in between neither forgets the limit nor repeats a reset.
     state = PlanState.from_json(json.loads(json.dumps(r.state.to_json())))
-    r = _reset_run([g], state, 600.0, wall=back + 949, pol=pol)
+    r = _reset_run([g], state, 1000.0, wall=back + 949, pol=pol)
     assert resets(r) == []
     r = _reset_run([g], r.state, 1001.0, wall=back + 950, pol=pol)
     assert len(resets(r)) == 1  # the first reset (limits clock 0) left the 1000 s window
+
+
+def test_a_forward_wall_clock_step_unlocks_neither_the_cooldown_nor_the_reset_limit() -> None:
+    """Measured within one boot against the monotonic clock, a forward step counts as no time
+    passed, as a backward one does; a poll's own jitter (up to a minute) is no step."""
+    pol = policy(reset=ResetPolicy(confirm_for=0.0, cooldown=100.0, max_resets=1, window=1000.0))
+    g = ghost()
+    wall = 1_700_000_000.0
+    r = _reset_run([g], PlanState(), 0.0, wall=wall, pol=pol)
+    state = record_reset(r.state, resets(r)[0], "success", now=0.0, wall=wall).state
+    r = _reset_run([g], state, 50.0, wall=wall + 50 + 60, pol=pol)  # a slow poll's minute
+    assert EventName.CLOCK_STEPPED_FORWARD not in names(r)
+    assert EventName.RESET_LIMIT_REACHED in names(r)
+    ahead = wall + 86_400  # then the wall clock steps a day forward
+    r = _reset_run([g], r.state, 51.0, wall=ahead + 111, pol=pol)
+    assert event(r, EventName.CLOCK_STEPPED_FORWARD) == {"seconds": 86_400.0, "wall": ahead + 111}
+    assert resets(r) == []
+    assert r.state.reset_history == ((GPU0, ahead),)
+    # A restart in between keeps the reference; the window ends 1000 s after the reset.
+    state = PlanState.from_json(json.loads(json.dumps(r.state.to_json())))
+    r = _reset_run([g], state, 939.0, wall=ahead + 999, pol=pol)
+    assert resets(r) == []
+    r = _reset_run([g], r.state, 940.0, wall=ahead + 1000, pol=pol)
+    assert len(resets(r)) == 1
+
+
+def test_another_boots_monotonic_time_is_no_reference_for_a_forward_step() -> None:
+    """After a reboot (or from a state file without ``last_monotonic``) the first poll has no
+    monotonic reference: the wall time since counts as time passed, as before."""
+    wall = 1_700_000_000.0
+    state = replace(PlanState(boot_id="boot-a"), last_wall=wall, last_monotonic=5.0,
+                    last_reset={GPU0: wall})  # fmt: skip
+    for s in (snap([], boot_id="boot-b"), snap([])):
+        old = state if s.boot_id == "boot-b" else replace(state, last_monotonic=None)
+        r = run([], s, old, policy(), now=100.0, wall=wall + 10_000)
+        assert EventName.CLOCK_STEPPED_FORWARD not in names(r)
+        assert r.state.last_reset == {GPU0: wall}
+        assert r.state.last_monotonic == 100.0
+    old_file = state.to_json()
+    del old_file["last_monotonic"]
+    assert PlanState.from_json(old_file).last_monotonic is None
 
 
 def test_reset_circuit_breaker_opens_after_consecutive_failures_until_cleared() -> None:

@@ -46,8 +46,8 @@ def plan(
 ) -> PlanResult:
     """Decide what to do this poll. Pure: the same inputs give the same result."""
     w = Work(state)
-    w.rebase_wall(wall)
-    _check_boot(w, snapshot)
+    _check_boot(w, snapshot)  # first: another boot's monotonic time measures nothing
+    w.rebase_wall(wall, now)
     current = {f.key: f for f in findings}
     ctx = Ctx(
         snapshot=snapshot,
@@ -145,7 +145,7 @@ def _forget_boot(w: Work) -> None:
     w.notes = {k: v for k, v in w.notes.items() if k.startswith("node:")}
     # ... and takes every MIG instance down: a half-done recovery is no longer half done.
     w.state = replace(w.state, reset_in_flight=None, forced_since_monotonic=None,
-                      mig_unfinished={})  # fmt: skip
+                      last_monotonic=None, mig_unfinished={})  # fmt: skip
 
 
 def _track_findings(w: Work, ctx: Ctx) -> None:

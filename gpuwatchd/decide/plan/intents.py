@@ -29,6 +29,10 @@ from gpuwatchd.decide.plan.shadow import ShadowWork
 from gpuwatchd.decide.plan.state import LADDER_EVENT_FIELDS, Ladder, PlanState
 from gpuwatchd.decide.policy import Policy
 
+# How far the wall clock may run ahead of the monotonic clock between two polls before that is
+# a forward step: a snapshot reads them a poll's duration apart (under the 30 s watchdog).
+STEP_FORWARD = 60.0
+
 
 @dataclass(frozen=True)
 class SignalIntent:
@@ -150,22 +154,29 @@ class Work:
         self.notes[key] = text
         return True
 
-    def rebase_wall(self, wall: float) -> None:
-        last = self.state.last_wall
-        if last is not None and wall < last:
-            step = last - wall
+    def rebase_wall(self, wall: float, now: float) -> None:
+        """A wall-clock step counts as no time passed: the recorded wall times move with it,
+        back when ``wall`` is before the last one, forward when the wall clock ran more than
+        ``STEP_FORWARD`` ahead of the monotonic clock (``now``, of this boot) since."""
+        last, since = self.state.last_wall, self.state.last_monotonic
+        step = 0.0 if last is None else max(0.0, last - wall)
+        if not step and last is not None and since is not None and now >= since:
+            ahead = wall - last - (now - since)
+            step = -ahead if ahead > STEP_FORWARD else 0.0
+        if step:
             self.last_reset = {g: t - step for g, t in self.last_reset.items()}
             self.last_dry_reset = {g: t - step for g, t in self.last_dry_reset.items()}
             self.reset_history = [(g, t - step) for g, t in self.reset_history]
             self.scope_latches = {
                 k: replace(v, since=v.since - step) for k, v in self.scope_latches.items()
             }
-            since = self.state.forced_since
-            if since is not None:
-                self.state = replace(self.state, forced_since=since - step)
+            forced = self.state.forced_since
+            if forced is not None:
+                self.state = replace(self.state, forced_since=forced - step)
             self.shadow.shift(step)
-            self.event(EventName.CLOCK_STEPPED_BACK, Level.WARNING, seconds=step, wall=wall)
-        self.state = replace(self.state, last_wall=wall)
+            name = EventName.CLOCK_STEPPED_BACK if step > 0 else EventName.CLOCK_STEPPED_FORWARD
+            self.event(name, Level.WARNING, seconds=abs(step), wall=wall)
+        self.state = replace(self.state, last_wall=wall, last_monotonic=now)
 
     def freeze(self) -> PlanState:
         return replace(

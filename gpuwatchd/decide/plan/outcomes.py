@@ -231,7 +231,7 @@ def record_reset(
         raise ValueError(f"unknown reset outcome {outcome!r}")
     outcome = ResetResult(outcome)
     w = Work(state)
-    w.rebase_wall(wall)
+    w.rebase_wall(wall, now)
     succeeded = outcome is ResetResult.SUCCESS or (outcome is ResetResult.DRY_RUN and would_succeed)
     delay = _reset_came_back(w, intent, succeeded)
     gpu = intent.gpu

@@ -152,7 +152,7 @@ class ShadowWork:
         self.forced &= live
 
     def shift(self, step: float) -> None:
-        """The wall clock went back by ``step``: that counts as no time passed."""
+        """The wall clock went back by ``step`` (forward when negative): no time passed."""
         self.resets = [(g, t - step) for g, t in self.resets]
         self.done = {k: t - step for k, t in self.done.items()}
         if self.capped_since is not None:

@@ -149,6 +149,7 @@ class PlanState:
     paused_reason: str | None = None
     paused_until: float | None = None  # wall time a timed pause ends (pause --for)
     last_wall: float | None = None
+    last_monotonic: float | None = None  # the monotonic time of last_wall (rebase_wall)
     health_waits: Mapping[str, HealthWait] = field(default_factory=dict)
     reset_refusals: Mapping[str, ResetRefusal] = field(default_factory=dict)
     health_drained: Mapping[str, bool] = field(default_factory=dict)
@@ -265,7 +266,9 @@ _SCALARS = _Form(PlanState, {"boot_id": opt_text, "reset_failures": integer,
                  # absent in older state files: anchored once by wall time
                  "forced_since_monotonic": opt_number,
                  "paused": flag, "paused_reason": opt_text, "paused_until": opt_number,
-                 "last_wall": opt_number},
+                 "last_wall": opt_number,
+                 # absent in older state files: a forward step is first seen after a poll
+                 "last_monotonic": opt_number},
                  {"reset_failures": 0, "circuit_open": False, "forced_dry_run": False,
                   "paused": False})  # fmt: skip
 _SEEN = _Form(

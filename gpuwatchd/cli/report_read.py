@@ -205,8 +205,12 @@ def _gpu(raw: Mapping[str, object], where: str) -> GpuInfo:
         # NVML's process list as the report gives it (checked by _read_gpus): a health reset
         # waits for these.
         processes=tuple(
-            NvmlProcess(pid, as_int(entry.get("used_memory")), str(entry.get("type")))
-            for entry in as_list(raw.get("processes"))
+            NvmlProcess(
+                pid,
+                as_int(entry.get("used_memory")),
+                _need(entry, "type", (str,), f"{where}.processes[{j}]"),
+            )
+            for j, entry in enumerate(as_list(raw.get("processes")))
             if isinstance(entry, dict) and (pid := as_int(entry.get("pid"))) is not None
         ),
     )
@@ -345,9 +349,11 @@ def _mig_devices(raw: Mapping[str, object]) -> tuple[model.MigDevice, ...] | Non
         memory = as_map(item.get("memory"))
         used, total = as_int(memory.get("used")), as_int(memory.get("total"))
         listed = tuple(
-            NvmlProcess(pid, as_int(e.get("used_memory")), str(e.get("type") or "compute"))
+            NvmlProcess(pid, as_int(e.get("used_memory")), kind)
             for e in as_list(item.get("processes"))
-            if isinstance(e, Mapping) and (pid := as_int(e.get("pid"))) is not None
+            if isinstance(e, Mapping)
+            and (pid := as_int(e.get("pid"))) is not None
+            and isinstance(kind := e.get("type") or "compute", str)
         )
         for position, ci in enumerate(ids or [0]):
             devices.append(

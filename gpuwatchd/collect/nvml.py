@@ -37,6 +37,7 @@ from gpuwatchd.core.model import (
 from gpuwatchd.core.paths import NVML_LAUNCHER_FILE, NVML_WORKER_FILE
 from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.events import lazylog
+from gpuwatchd.events.words import short
 
 log = lazylog.get_logger()
 
@@ -380,14 +381,15 @@ class NvmlClient:
         for notice in map(as_map, items(reply.get("notices") or [], "notices")):
             if notice.get("notice") != MEMORY_V1_NOTICE:
                 continue
-            uuid = str(notice.get("uuid") or f"index:{notice.get('index')}")
-            if uuid not in self._v1_logged:
-                self._v1_logged.add(uuid)
+            index, uuid, reason = notice.get("index"), notice.get("uuid"), notice.get("reason")
+            gpu = short(uuid if isinstance(uuid, str) and uuid else f"index:{index}")
+            if gpu not in self._v1_logged:
+                self._v1_logged.add(gpu)
                 log.warning(
                     EventName.NVML_MEMORY_V1_FALLBACK,
-                    gpu=uuid,
-                    index=notice.get("index"),
-                    reason=notice.get("reason"),
+                    gpu=gpu,
+                    index=as_int(index),
+                    reason=short(reason) if isinstance(reason, str) else None,
                     consequence="allocated memory unknown (v1 'used' includes the driver "
                     "reservation); no ghost detection until an idle baseline is learned",
                 )

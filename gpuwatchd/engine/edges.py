@@ -26,6 +26,7 @@ from gpuwatchd.core.vocabulary import Level
 from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.gpu_ids import pci_bus_key
+from gpuwatchd.decide.health.state import MAX_XID_KINDS
 from gpuwatchd.decide.nvml_state import NvmlAvailability
 from gpuwatchd.decide.plan.intents import Intent
 from gpuwatchd.decide.plan.state import PlanState
@@ -33,6 +34,7 @@ from gpuwatchd.decide.verdict import NodeVerdict
 
 T = TypeVar("T")
 MAX_KEPT_RUNS = 256  # kernel-log runs kept for a poll that reads their GPU (a poll reads as many)
+MAX_KEPT_XIDS = 256  # NVML events kept per GPU (a reading takes as many); past it, folded
 
 
 class HostReader(Protocol):
@@ -65,7 +67,8 @@ class TakenXids:
     def add(self, gpus: Iterable[GpuInfo], kernel: tuple[KernelXid, ...] = ()) -> None:
         for gpu in gpus:
             if gpu.health is not None and gpu.health.xids:
-                self.events[gpu.uuid] = self.events.get(gpu.uuid, ()) + gpu.health.xids
+                kept = self.events.get(gpu.uuid, ()) + gpu.health.xids
+                self.events[gpu.uuid] = kept if len(kept) <= MAX_KEPT_XIDS else _folded(kept)
         self.kernel += kernel
 
     def first_in(self, snapshot: Snapshot) -> Snapshot:
@@ -93,6 +96,19 @@ class TakenXids:
             for gpu in gpus
         )
         return replace(snapshot, nvml=replace(snapshot.nvml, gpus=gpus), kernel_xids=kernel)
+
+
+def _folded(events: tuple[XidEvent, ...]) -> tuple[XidEvent, ...]:
+    """The first and the last event of each Xid number (of the first :data:`MAX_XID_KINDS`
+    numbers, as the judge remembers), in their order: the times the judge reads are kept, the
+    count it says is of the events kept (docs/internals.md)."""
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, event in enumerate(events):
+        if event.xid in first or len(first) < MAX_XID_KINDS:
+            first.setdefault(event.xid, i)
+            last[event.xid] = i
+    return tuple(events[i] for i in sorted({*first.values(), *last.values()}))
 
 
 def _device(bus_id: str | None) -> tuple[int, int, int] | None:

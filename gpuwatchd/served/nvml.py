@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from gpuwatchd.collect.nvml import decode_gpu
+from gpuwatchd.core.checked import opt_text
 from gpuwatchd.core.model import NvmlReading
 from gpuwatchd.state.directory import StateDir
 
@@ -38,12 +39,13 @@ class Published:
 
     @classmethod
     def of(cls, doc: Mapping[str, Any]) -> Published:
-        """The reading ``doc`` (from :func:`encode`) says, its GPUs decoded as a scan's own
-        worker reply is."""
+        """The reading ``doc`` (from :func:`encode`) says, its GPUs and driver version decoded
+        as a scan's own worker reply is (ValueError naming a malformed one)."""
         gpus = tuple(decode_gpu(entry) for entry in doc["gpus"])
+        driver = opt_text(doc["driver_version"], "driver_version")
         return cls(
             doc["daemon"]["pid"], doc["read_at"], doc["polled"], doc["interval"],
-            NvmlReading(available=True, driver_version=doc["driver_version"], gpus=gpus),
+            NvmlReading(available=True, driver_version=driver, gpus=gpus),
         )  # fmt: skip
 
 

@@ -34,6 +34,7 @@ from gpuwatchd.collect.nvml import (
 )
 from gpuwatchd.core.model import GpuInfo, GpuMemory, NvmlProcess
 from gpuwatchd.core.vocabulary import EventName
+from gpuwatchd.events.words import VALUE_MAX, short
 from tests.support.fakenvml import (
     NVML_ERROR_DRIVER_NOT_LOADED,
     NVML_ERROR_FUNCTION_NOT_FOUND,
@@ -695,6 +696,40 @@ def test_a_malformed_worker_reply_reads_as_unavailable_said_once(
     said = [e["event"] for e in logs if e["log_level"] != "debug"]
     assert said == [EventName.NVML_UNAVAILABLE]
     assert [g.index for g in healed.gpus] == [0]
+
+
+def test_a_memory_v1_notice_is_said_with_its_values_escaped_and_cut(
+    tmp_path: Path, clock: list[float]
+) -> None:
+    """The worker's memory-v1 notice gave its event the uuid through str() (a 7 was GPU "7")
+    and the reason and index raw (a newline, an escape sequence, any length): each is shown as
+    event values are (docs/events.md), escaped and cut; a uuid or reason not a string is
+    unknown, the GPU then named by its index."""
+    uuid, reason = "GPU-0\nevent=forged" + "x" * 500, "v2 \x1b[2J" + "y" * 500
+    notices = [
+        {"notice": "memory_v1", "index": 0, "uuid": uuid, "reason": reason},
+        {"notice": "memory_v1", "index": 1, "uuid": 7, "reason": ["not", "text"]},
+    ]
+    reply, script = tmp_path / "reply", tmp_path / "worker.py"
+    reply.write_text(json.dumps({"available": True, "notices": notices, "gpus": [{"index": 0}]}))
+    script.write_text(REPLIER)
+
+    def spawn(argv: list[str], **options: Any) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, str(script), str(reply)], **options)
+
+    client = NvmlClient(timeout=5.0, clock=lambda: clock[0], spawn=spawn)
+    try:
+        with capture_logs() as logs:
+            assert client.read().available
+    finally:
+        client.stop()
+    said = [e for e in logs if e["event"] == EventName.NVML_MEMORY_V1_FALLBACK]
+    assert [(e["gpu"], e["index"], e["reason"]) for e in said] == [
+        (short(uuid), 0, short(reason)),
+        ("index:1", 1, None),
+    ]
+    assert len(short(uuid)) == VALUE_MAX
+    assert "\n" not in short(uuid)
 
 
 PATCHED_WORKER = """import ast, sys

@@ -89,6 +89,18 @@ def test_a_published_reading_decodes_to_what_the_worker_reply_decodes_to_less_th
     assert nvml_view.Published.of(json.loads(_raw(_doc()))) == published
 
 
+@pytest.mark.parametrize("version", [550, ["550.54"], b"550.54"])
+def test_a_driver_version_not_a_string_is_malformed_as_a_scans_own_reply_says(
+    version: object,
+) -> None:
+    """A scan's own worker reply with a driver version of another type reads as malformed
+    (collect/nvml.py); the daemon's reading, decoded by the same converters, passed it through
+    as the reading's driver version (an int where a string is promised)."""
+    with pytest.raises(ValueError, match="driver_version: expected a string"):
+        nvml_view.Published.of(_doc(driver_version=version))
+    assert nvml_view.Published.of(_doc(driver_version=None)).reading.driver_version is None
+
+
 def _usable(**over: Any) -> str | None:
     args: dict[str, Any] = {"now_wall": 1003.0, "interval": 5.0}
     args.update(over)

@@ -29,14 +29,14 @@ from gpuwatchd.core.model import (
 )
 from gpuwatchd.core.vocabulary import EventName, SignalOutcome
 from gpuwatchd.decide.assess.state import AssessState
-from gpuwatchd.decide.health.judge import note_reset
+from gpuwatchd.decide.health.judge import assess_health, note_reset
 from gpuwatchd.decide.health.state import HealthState
 from gpuwatchd.decide.mig.recovery import InstanceRecovery
 from gpuwatchd.decide.plan.decisions import set_paused
 from gpuwatchd.decide.plan.state import PlanState, ResetInFlight
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine.cycle import Engine, EngineState
-from gpuwatchd.engine.edges import MAX_KEPT_RUNS, Pause, TakenXids
+from gpuwatchd.engine.edges import MAX_KEPT_RUNS, MAX_KEPT_XIDS, Pause, TakenXids
 from gpuwatchd.events.words import short
 from tests.support.enginerig import (
     GPU0,
@@ -771,6 +771,27 @@ def test_xid_events_a_reading_of_one_gpu_took_are_the_next_polls() -> None:
     assert one is not None
     assert (zero.xids, [x.xid for x in one.xids]) == ((), [48])
     assert all(g.health and g.health.xids == () for g in engine.poll().snapshot.nvml.gpus)
+
+
+def test_xids_kept_through_a_storm_are_bounded_and_a_later_xid_is_still_judged() -> None:
+    """An Xid storm on one GPU while a reset waits for another's NVLink fabric (a reading a
+    second for up to 30 minutes, up to 256 events each) was kept whole: ~460,000 events in the
+    next poll's one GPU, each reading's append a copy of all before. Past MAX_KEPT_XIDS a GPU's
+    kept events fold to the first and the last of each Xid number: bounded, the times the
+    judge reads kept, and an Xid that came after the storm still judged."""
+    taken = TakenXids()
+    for second in range(40):
+        storm = tuple(XidEvent(13, 1_700_000_000.0 + second) for _ in range(256))
+        taken.add([gpu(1, HEALTH_GPU1, health(xids=storm))])
+        assert len(taken.events[HEALTH_GPU1]) <= MAX_KEPT_XIDS
+    taken.add([gpu(1, HEALTH_GPU1, health(xids=(XidEvent(48, 1_700_000_050.0),)))])
+    read = taken.first_in(snap(gpu(0, HEALTH_GPU, health()), gpu(1, HEALTH_GPU1, health())))
+    xids = [
+        (x.xid, x.wall - 1_700_000_000.0) for g in read.nvml.gpus if g.health for x in g.health.xids
+    ]
+    assert (xids[0], xids[-2:]) == ((13, 0.0), [(13, 39.0), (48, 50.0)])
+    found = assess_health(read, HealthState(), boot_changed=False).findings
+    assert [(f.kind, f.gpu) for f in found] == [(FindingKind.RESET_REQUIRED, HEALTH_GPU1)]
 
 
 @dataclass

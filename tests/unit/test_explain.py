@@ -111,6 +111,16 @@ def test_a_field_of_the_wrong_type_is_a_snapshot_error_not_a_traceback() -> None
         rebuild(report)
 
 
+@pytest.mark.parametrize("kind", [1, None, ["compute"]])
+def test_a_process_type_not_a_string_is_a_snapshot_error_naming_it(kind: object) -> None:
+    """NVML's process list came back through str(): a type 1 was the process type "1", a
+    missing one "None"; the type is checked as the report's other fields are."""
+    report = report_at("dataloader-orphans", 25.0)
+    report["gpus"][0]["processes"][0]["type"] = kind  # type: ignore[index]
+    with pytest.raises(SnapshotError, match=r"gpus\[0\]\.processes\[0\]\.type: expected str"):
+        rebuild(report)
+
+
 # --- only what applies, in human times --------------------------------------------------------
 
 

@@ -171,6 +171,19 @@ def test_explain_reads_instances_back_and_says_the_orphan_rule_applies() -> None
     assert item["next"]["action"] == "SIGTERM"
 
 
+def test_an_instance_process_whose_type_is_not_a_string_is_skipped_as_other_malformed_ones() -> (
+    None
+):
+    """A MIG instance's process list is read leniently (a malformed entry skipped); its type
+    went through str(), so a type 1 was a process of type "1"."""
+    snapshot = leak_beside_live_job()
+    report = report_of(snapshot, run(snapshot))
+    report["gpus"][0]["mig_instances"][1]["processes"][0]["type"] = 1
+    parent = rebuild(report)[0].nvml.gpus[0]
+    assert parent.mig_devices is not None
+    assert [[p.kind for p in d.processes or ()] for d in parent.mig_devices] == [["compute"], []]
+
+
 def test_explain_says_an_instance_has_no_gpu_reset() -> None:
     base = HostBuilder().gpu(0).build()
     snapshot = with_mig(base, instances=[Inst(1, allocated=LEAK), Inst(2)])

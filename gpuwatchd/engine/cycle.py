@@ -229,9 +229,13 @@ class Engine:
             self.set_paused(pause.reason, until=pause.until, resumed=pause.resumed)
         if inputs.spares is not None:
             self.set_spares(inputs.spares, read_at=inputs.spares_read_at)
-        if inputs.clear_latches:  # lift a forced dry-run, close the reset circuit breaker
-            self.state.plan = clear_circuit(clear_forced_dry_run(self.state.plan))
-            self.emit(EventName.LIMITS_LATCHES_CLEARED, Level.WARNING)
+        made = inputs.clear_latches
+        if made is not None:  # lift a forced dry-run, close the reset circuit breaker
+            plan = clear_circuit(clear_forced_dry_run(self.state.plan, made), made)
+            kept = (["node"] if plan.forced_dry_run else []) + sorted(plan.scope_latches)
+            self.state.plan = plan  # those latched after the request: nobody saw them
+            fields = {"kept": kept} if kept else {}
+            self.emit(EventName.LIMITS_LATCHES_CLEARED, Level.WARNING, **fields)
 
     def _read(self) -> Snapshot:
         """The poll's snapshot, with the spares in force, NVML's availability changes said."""

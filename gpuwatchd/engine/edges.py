@@ -173,7 +173,7 @@ class PollInputs:
     pause: Pause | None = None
     spares: tuple[Spare, ...] | None = None  # ``gpuwatchd spare``: those in force
     spares_read_at: float | None = None  # the wall time the spares were read at
-    clear_latches: bool = False  # ``resume --clear-latches``: lift the forced dry-run, ...
+    clear_latches: float | None = None  # ``resume --clear-latches``: when (wall; inf: unknown)
     started: float | None = None  # monotonic
     started_wall: float | None = None
 

@@ -326,8 +326,6 @@ TARGET_EXITED INFO: pid start_ticks
     {process} exited (seen through its pidfd).
 DAEMON_RESUMED WARNING: reason
     Actions resumed{reason:why}.
-LIMITS_LATCHES_CLEARED WARNING:
-    An admin cleared the latches: forced dry-run and the reset circuit breaker.
 DAEMON_STOP INFO: exit_code
     gpuwatchd stopped (exit code {exit_code}).
 DAEMON_ALREADY_RUNNING ERROR: detail state_dir
@@ -498,6 +496,14 @@ KERNEL_LOG_DROPPED WARNING: lines kept
         lambda s: (
             f"Spare of {s('target')} cut to limits.max_spare: it ends {_wall(s, 'until')},"
             f" not {_wall(s, 'was_until')}."
+        ),
+    ),
+    EventName.LIMITS_LATCHES_CLEARED: spec(
+        WARNING,
+        "kept",
+        lambda s: (
+            "An admin cleared the latches: forced dry-run and the reset circuit breaker"
+            + (f"; kept, set after the request: {s.items('kept')}." if s.has("kept") else ".")
         ),
     ),
     EventName.DAEMON_START: spec(INFO, "version dry_run once config interval", _started),

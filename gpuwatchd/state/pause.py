@@ -6,6 +6,7 @@ In detail: docs/internals.md, section `gpuwatchd.state.pause`.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -180,11 +181,24 @@ def clear_latches(state_dir: StateDir) -> None:
     state_dir.write(CLEAR_LATCHES_FILE, f"{time.time()}\n".encode("ascii"))
 
 
-def take_clear_latches(state_dir: StateDir) -> bool:
-    """True once after ``resume --clear-latches`` (the request is consumed). Whatever the
-    entry is (a file, a link), removing it is the request; one that cannot be removed is
-    not taken (it would be taken again at every poll)."""
-    return state_dir.remove(CLEAR_LATCHES_FILE)
+def take_clear_latches(state_dir: StateDir) -> float | None:
+    """When ``resume --clear-latches`` asked (wall time; ``math.inf``: unknown, every latch
+    lifted), once (the request is consumed); None: no request. Whatever the entry is (a file,
+    a link), removing it is the request; one that cannot be removed is not taken (it would be
+    taken again at every poll)."""
+    try:
+        raw = state_dir.read(CLEAR_LATCHES_FILE, 64)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        raw = b""  # not a trusted file: a request all the same, of no known time
+    if not state_dir.remove(CLEAR_LATCHES_FILE):
+        return None
+    try:
+        made = as_number(float(raw))
+    except ValueError:  # no time: a hand-made request (``touch``), or an unreadable one
+        made = None
+    return math.inf if made is None else made
 
 
 # --- the scheduler's word, handed to a running daemon --------------------------------------------

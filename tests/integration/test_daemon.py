@@ -52,6 +52,8 @@ from gpuwatchd.decide.verdict import UNREADABLE
 from gpuwatchd.engine.edges import Pause, PollReport
 from gpuwatchd.events.catalogue import render
 from gpuwatchd.served.scan_socket import SOCKET_NAME, ScanAnswer
+from gpuwatchd.state.directory import StateDir
+from gpuwatchd.state.pause import clear_latches
 from gpuwatchd.state.saved import STATE
 from tests.support.enginerig import Actuator, Clock, Reader, ghost_host
 from tests.support.resetrig import instance_gpu
@@ -521,6 +523,33 @@ def test_an_unreadable_state_is_kept_aside_and_the_daemon_holds_in_a_latched_dry
     document = saved["status"]["document"]
     assert document["effective_mode"] == "forced-dry-run"
     assert str(aside[0]) in document["kill_cap"]["reason"]
+
+
+def test_a_clear_latches_request_left_while_the_daemon_was_down_never_lifts_a_later_latch(
+    tmp_path: Path,
+) -> None:
+    """`resume --clear-latches` run while the daemon is down leaves its request to the next
+    start's first poll: it lifts the latches there were when it was made, never the one that
+    start set for a saved state it could not read (nobody has looked at it); the event says
+    which latch it kept."""
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    with StateDir.open(str(state_dir)) as directory:
+        clear_latches(directory)  # the admin's request, before this start
+    (state_dir / "state.json").write_bytes(b"{not json")
+    policy = dataclasses.replace(default_policy(), state_dir=str(state_dir), dry_run=False)
+    daemon = Daemon(policy, config_path=str(tmp_path / "none.yaml"))
+    daemon.engine.reader, daemon.engine.actuator = Reader(Clock(), ghost_host), Actuator()
+    with capture_logs() as logs:
+        daemon._load_state()
+        daemon.engine.poll(daemon._read_switches())
+    assert daemon.engine.state.plan.forced_dry_run, "the unread state's latch holds"
+    (cleared,) = [e for e in logs if e["event"] == EventName.LIMITS_LATCHES_CLEARED]
+    assert cleared["kept"] == ["node"]
+    assert render(str(EventName.LIMITS_LATCHES_CLEARED), cleared).endswith(
+        "circuit breaker; kept, set after the request: node."
+    )
+    assert not (state_dir / "clear-latches").exists(), "the request is taken, once"
 
 
 @pytest.mark.parametrize("content", [None, json.dumps(_GOOD)])

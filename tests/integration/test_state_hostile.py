@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -87,8 +88,10 @@ def test_switches_never_write_through_a_planted_link(state_dir: Path, victim: Pa
         set_pause(directory, reason="maintenance")
         assert victim.read_text() == SECRET
         assert read_pause(directory) == "maintenance"
-        assert take_clear_latches(directory) is True
-        assert take_clear_latches(directory) is False
+        assert take_clear_latches(directory) is not None
+        assert take_clear_latches(directory) is None
+        (state_dir / "clear-latches").symlink_to(victim)  # a request, its time never read
+        assert take_clear_latches(directory) == math.inf
 
 
 def test_a_linked_state_file_is_moved_aside_not_read(state_dir: Path, victim: Path) -> None:

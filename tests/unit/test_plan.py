@@ -39,7 +39,15 @@ from gpuwatchd.decide.plan.decisions import (
 )
 from gpuwatchd.decide.plan.intents import HookIntent, PlanResult, ResetIntent, kill_cap_scope
 from gpuwatchd.decide.plan.outcomes import record_exit, record_reset, record_signal
-from gpuwatchd.decide.plan.state import Ladder, PlanState, ResetInFlight, SeenFinding
+from gpuwatchd.decide.plan.state import (
+    Ladder,
+    Latch,
+    MigUnfinished,
+    PlanState,
+    ResetInFlight,
+    ResetRefusal,
+    SeenFinding,
+)
 from gpuwatchd.decide.policy import SIGNAL_NAMES, Limits, Policy, Protect, ResetPolicy, Rule, Step
 from gpuwatchd.decide.targets import refusal, rule_for
 from tests.support.plancases import (
@@ -986,6 +994,37 @@ def test_reset_circuit_breaker_opens_after_consecutive_failures_until_cleared() 
     assert EventName.RESET_CIRCUIT_OPEN not in names(r)  # said once
     r = _reset_run([g, h], clear_circuit(r.state), 500.0, pol=pol)
     assert len(resets(r)) == 1
+
+
+def test_an_admins_clear_lifts_the_latches_set_by_its_request_and_keeps_those_set_after() -> None:
+    """`resume --clear-latches` is made at a wall time and taken at a later poll (the next
+    start's, when the daemon was down): what was latched or booked after it, nobody saw."""
+    made = 1000.0
+    seen, later = (
+        MigUnfinished(GPU0, 1, 19, 6, 1, made, "failed"),
+        MigUnfinished(GPU1, 1, 19, 6, 1, made + 1.0, "failed"),
+    )
+    state = PlanState(
+        forced_dry_run=True, forced_reason="lost", forced_since=made + 1.0,
+        scope_latches={"uid:1": Latch("cap", made), "uid:2": Latch("cap", made + 1.0)},
+        reset_refusals={GPU0: ResetRefusal("a", "refused", False, made),
+                        GPU1: ResetRefusal("b", "refused", False, made + 1.0)},
+        mig_unfinished={"MIG-a": seen, "MIG-b": later}, circuit_open=True, reset_failures=2,
+    )  # fmt: skip
+    cleared = clear_circuit(clear_forced_dry_run(state, made), made)
+    assert (cleared.forced_dry_run, cleared.forced_since) == (True, made + 1.0)
+    assert list(cleared.scope_latches) == ["uid:2"]
+    assert list(cleared.reset_refusals) == [GPU1]
+    assert list(cleared.mig_unfinished) == ["MIG-b"]
+    assert (cleared.circuit_open, cleared.reset_failures) == (False, 0)  # it records no time
+    lifted = clear_forced_dry_run(replace(state, forced_since=made), made)
+    assert (lifted.forced_dry_run, lifted.forced_reason, lifted.forced_since) == (False, None, None)
+    unknown = clear_forced_dry_run(replace(state, forced_since=None), made)  # an older file's
+    assert not unknown.forced_dry_run
+    everything = clear_circuit(clear_forced_dry_run(state))  # a request of no known time
+    left = (everything.scope_latches, everything.reset_refusals, everything.mig_unfinished)
+    assert left == ({}, {}, {})
+    assert not everything.forced_dry_run
 
 
 def _with_memory(allocated: int) -> GpuInfo:

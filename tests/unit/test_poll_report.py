@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import math
 import pathlib
 
 import pytest
@@ -124,7 +125,7 @@ def test_the_admin_switches_come_in_with_the_poll() -> None:
     report = r.engine.poll(PollInputs())  # nothing handed: the switches stay as they are
     assert not report.plan.paused
     assert [s.target for s in report.snapshot.spares] == ["pid:201"]
-    report = r.engine.poll(PollInputs(clear_latches=True))
+    report = r.engine.poll(PollInputs(clear_latches=math.inf))
     assert r.sink.named(EventName.LIMITS_LATCHES_CLEARED)
 
 
@@ -152,6 +153,6 @@ def test_no_gpu_is_clean_while_latched_on_a_saved_state_it_could_not_read(
     metrics.after_poll(report, dry_run=True, policy_rejected=False)
     (line,) = [x for x in metrics.render().decode().splitlines() if "gpu_clean{" in x]
     assert line.endswith(" 0.0" if unknown else " 1.0")
-    lifted = r.engine.poll(PollInputs(clear_latches=True))  # resume --clear-latches
+    lifted = r.engine.poll(PollInputs(clear_latches=math.inf))  # resume --clear-latches
     assert lifted.verdict is not None
     assert [g.clean for g in lifted.verdict.gpus] == [True]

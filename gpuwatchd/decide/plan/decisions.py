@@ -9,6 +9,7 @@ In detail: docs/internals.md, section `gpuwatchd.decide.plan.decisions`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
@@ -215,26 +216,37 @@ def set_paused(
     )
 
 
-def clear_forced_dry_run(state: PlanState) -> PlanState:
-    """Admin: lift every kill-cap latch, the node's, each user's and the dry-run shadow's."""
+def _after(since: float | None, made: float) -> bool:
+    """Set after the admin's request was made (wall times): unseen by it, so it holds."""
+    return since is not None and since > made
+
+
+def clear_forced_dry_run(state: PlanState, made: float = math.inf) -> PlanState:
+    """Admin: lift every kill-cap latch set by wall time ``made`` (when ``resume
+    --clear-latches`` asked), the node's, each user's and the dry-run shadow's."""
+    scopes = {k: v for k, v in state.scope_latches.items() if _after(v.since, made)}
+    state = replace(state, scope_latches=scopes, shadow=state.shadow.without_latches())
+    if _after(state.forced_since, made):
+        return state
     return replace(
         state,
         forced_dry_run=False,
         forced_reason=None,
         forced_since=None,
         forced_since_monotonic=None,
-        scope_latches={},
-        shadow=state.shadow.without_latches(),
     )
 
 
-def clear_circuit(state: PlanState) -> PlanState:
-    """Admin: close the reset circuit breaker; forget the failures, every refused incident and
-    every MIG recovery left half done (the admin says it is dealt with)."""
+def clear_circuit(state: PlanState, made: float = math.inf) -> PlanState:
+    """Admin: close the reset circuit breaker; forget the failures, and the refused incidents
+    and MIG recoveries left half done by wall time ``made`` (the admin says they are dealt
+    with; the breaker records no time)."""
     notes = {k: v for k, v in state.notes.items() if k != "node:circuit"}
+    refusals = {k: v for k, v in state.reset_refusals.items() if _after(v.since, made)}
+    unfinished = {k: v for k, v in state.mig_unfinished.items() if _after(v.since, made)}
     return replace(
-        state, circuit_open=False, reset_failures=0, notes=notes, reset_refusals={},
-        mig_unfinished={},
+        state, circuit_open=False, reset_failures=0, notes=notes, reset_refusals=refusals,
+        mig_unfinished=unfinished,
     )  # fmt: skip
 
 

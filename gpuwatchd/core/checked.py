@@ -100,6 +100,13 @@ def decimal(text: str, digits: int = 20) -> int | None:
     return int(text) if text.isascii() and text.isdecimal() and len(text) <= digits else None
 
 
+def shown(value: object, most: int = 80) -> str:
+    """``repr(value)`` for a message, cut to ``most`` characters: a value read from a file
+    may be as large as the file."""
+    said = repr(value)
+    return said if len(said) <= most else f"{said[: most - 3]}..."
+
+
 def is_version(found: object, *versions: int) -> bool:
     """Whether ``found`` is one of ``versions`` itself: ``true`` and ``1.0`` equal 1 in Python
     but are another version."""

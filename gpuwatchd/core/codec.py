@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuwatchd.core.checked import as_map, is_version
+from gpuwatchd.core.checked import as_map, is_version, shown
 
 Reader = Callable[[object, str], Any]  # a checked reader: (value, key) -> value, or ValueError
 
@@ -66,7 +66,7 @@ class Format:
         field as its reader returns it; ValueError."""
         found = data.get(self.version_key)
         if self.version is not None and not is_version(found, self.version):
-            raise ValueError(f"unsupported {self.name} version {found!r}")
+            raise ValueError(f"unsupported {self.name} version {shown(found)}")
         return {**data, **{key: read(data.get(key), key) for key, read in self.fields.items()}}
 
     def decode(self, raw: bytes) -> dict[str, Any]:

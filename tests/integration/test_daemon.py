@@ -484,6 +484,7 @@ def test_the_state_names_the_daemon_before_its_first_poll_starts_the_nvml_worker
 
 _GOOD_PLAN = PlanState().to_json()
 _GOOD = {"version": 1, "assess": AssessState().to_json(), "plan": _GOOD_PLAN}
+_REFUSED_STATE = (EventName.STATE_INVALID, EventName.STATE_CORRUPT)
 
 
 @pytest.mark.parametrize(
@@ -523,6 +524,29 @@ def test_an_unreadable_state_is_kept_aside_and_the_daemon_holds_in_a_latched_dry
     document = saved["status"]["document"]
     assert document["effective_mode"] == "forced-dry-run"
     assert str(aside[0]) in document["kill_cap"]["reason"]
+
+
+@pytest.mark.parametrize("part", ["envelope", "assess", "plan"])
+def test_a_saved_version_of_any_size_is_said_cut_short(tmp_path: Path, part: str) -> None:
+    """A state file's version is any JSON value, as large as the file: the message refusing
+    it (``EventName.STATE_INVALID``'s ``error``, ``EventName.STATE_CORRUPT``'s ``why``) shows it
+    cut, as other messages show a hostile value."""
+    huge = "9" * 100_000
+    parts = {"assess": AssessState().to_json(), "plan": _GOOD_PLAN}
+    doc = (
+        {**_GOOD, "version": huge}
+        if part == "envelope"
+        else {**_GOOD, part: {**parts[part], "version": huge}}
+    )
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    (state_dir / "state.json").write_text(json.dumps(doc))
+    policy = dataclasses.replace(default_policy(), state_dir=str(state_dir), dry_run=False)
+    with capture_logs() as logs:
+        Daemon(policy, config_path=str(tmp_path / "none.yaml"))._load_state()
+    said = [e.get("error") or e["why"] for e in logs if e["event"] in _REFUSED_STATE]
+    assert len(said) == 2
+    assert all("version" in why and "'9999" in why and len(why) < 200 for why in said), said
 
 
 def test_a_clear_latches_request_left_while_the_daemon_was_down_never_lifts_a_later_latch(

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TypeVar
 
-from gpuwatchd.core.checked import as_number, is_version
+from gpuwatchd.core.checked import as_number, is_version, shown
 from gpuwatchd.core.model import ProcessIdentity, ProcessInfo, as_int
 from gpuwatchd.core.vocabulary import ASSESS_STATE_VERSION, ASSESS_STATE_VERSIONS_READ
 from gpuwatchd.decide.assess.host_view import HostView
@@ -73,7 +73,7 @@ class AssessState:
         if not isinstance(data, dict):
             raise ValueError("assess state must be an object")
         if not is_version(data.get("version"), *ASSESS_STATE_VERSIONS_READ):
-            raise ValueError(f"unsupported assess state version: {data.get('version')!r}")
+            raise ValueError(f"unsupported assess state version: {shown(data.get('version'))}")
         boot_id = data.get("boot_id")
         if boot_id is not None and not isinstance(boot_id, str):
             raise ValueError("boot_id must be a string or null")

@@ -22,6 +22,7 @@ from gpuwatchd.core.checked import (
     opt_number,
     opt_text,
     pairs,
+    shown,
     text,
 )
 from gpuwatchd.core.codec import Reader
@@ -189,7 +190,7 @@ class PlanState:
         d = obj(data, "plan")
         version = d.get("version", PLAN_STATE_VERSION)
         if not is_version(version, PLAN_STATE_VERSION):
-            raise ValueError(f"plan: unsupported state version {version!r}")
+            raise ValueError(f"plan: unsupported state version {shown(version)}")
         scalars = _SCALARS.read(d, "plan")
         if scalars["reset_failures"] < 0:
             raise ValueError("plan.reset_failures: negative")

@@ -69,7 +69,7 @@ def spare_command(
     try:
         key, pid, job = parse_target(target)
     except ValueError as exc:
-        raise CliError(f"{exc}; nothing is spared", ExitCode.CONFIG) from exc
+        raise CliError(f"{exc}; nothing is {_left(cancel)}", ExitCode.CONFIG) from exc
     _refuse_a_pid_not_the_hosts(policy, procfs, target, pid=pid, cancel=cancel)
     if cancel:  # the spare of key ended now, and whether there was one said
         with StateDir.open(policy.state_dir, create=True) as state_dir:
@@ -120,6 +120,11 @@ def _no_target(*, cancel: bool) -> CliError:
     return CliError(f"spare {what}", ExitCode.CONFIG)
 
 
+def _left(cancel: bool) -> str:
+    """What a refused ``spare`` says it left as it was: a ``--cancel``, the spares."""
+    return "changed" if cancel else "spared"
+
+
 def _refuse_a_pid_not_the_hosts(
     policy: Policy, procfs: ProcFS, target: str, *, pid: int | None, cancel: bool
 ) -> None:
@@ -130,7 +135,7 @@ def _refuse_a_pid_not_the_hosts(
         raise CliError(
             f"spare {target}: not run in the host PID namespace (or cannot tell), where the "
             "daemon reads PIDs: the PID may name another process there; nothing is "
-            + ("changed" if cancel else "spared"),
+            f"{_left(cancel)}",
             ExitCode.CONFIG,
         )
 

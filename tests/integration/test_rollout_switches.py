@@ -705,6 +705,8 @@ def test_spare_cli_records_the_process_start_time_lists_and_cancels(
          "spare needs a target (PID or job:ID): nothing is spared"),
         (["--reason", "debug"], "spare needs a target (PID or job:ID): nothing is spared"),
         (["--cancel"], "spare --cancel needs a target (PID or job:ID): nothing is changed"),
+        (["--cancel", "x"],  # a cancel spares nothing: it says what it did not change
+         "spare 'x': expected a PID or job:ID (job:42 for Slurm job 42); nothing is changed"),
         (["--list", "--cancel"], "spare --list takes no target and no --cancel"),
         (["--list", "42"], "spare --list takes no target and no --cancel"),
     ],
@@ -713,7 +715,8 @@ def test_spare_without_a_target_is_refused_naming_what_is_missing_not_a_listing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], said: str
 ) -> None:
     """--for and --reason without a target listed the spares and exited 0, and --cancel alone
-    was told it had given --list; only --list, or spare alone, lists."""
+    was told it had given --list; only --list, or spare alone, lists. A --cancel of a target
+    that is none says nothing is changed, as every refused --cancel does."""
     config = tmp_path / "c.yaml"
     config.write_text(f"state_dir: {tmp_path}/st\n")
     assert main(["spare", "--config", str(config), *args]) == 78

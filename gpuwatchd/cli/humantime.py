@@ -40,7 +40,7 @@ def for_seconds(text: str, *, command: str, limit: str, maximum: float) -> float
     seconds = parse_duration(text, where="--for")
     if not 1 <= seconds <= maximum:
         raise ValueError(
-            f"{command} --for {text}: must be between 1s and {limit} ({duration(maximum)})"
+            f"{command} --for {text.strip()}: must be between 1s and {limit} ({duration(maximum)})"
         )
     return seconds
 

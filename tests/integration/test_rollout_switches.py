@@ -335,12 +335,15 @@ _BAD = "--for: invalid duration '{}' (use a number with a unit: ms, s, m, h, d; 
         (["spare", "job:42", "--for", "0s"],
          "spare --for 0s: must be between 1s and limits.max_spare (1h); nothing is spared"),
         (["spare", "job:42", "--for", "abc"], _BAD.format("abc") + "; nothing is spared"),
+        (["pause", "--for", " 2h\n"],  # read as 2h: said as read, on one line
+         "pause --for 2h: must be between 1s and limits.max_pause (1h); the switch is not changed"),
     ],
 )  # fmt: skip
 def test_a_for_out_of_range_or_no_duration_is_refused_with_what_stays_unchanged(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], said: str
 ) -> None:
-    """pause and spare share one --for reader; each still says what it left unchanged."""
+    """pause and spare share one --for reader; each still says what it left unchanged, and
+    the duration as it read it (spaces around it are no part of it)."""
     config = tmp_path / "c.yaml"
     config.write_text(f"state_dir: {tmp_path}/st\nlimits:\n  max_pause: 1h\n  max_spare: 1h\n")
     assert main([*args, "--config", str(config)]) == 78

@@ -252,6 +252,29 @@ def test_a_holder_first_seen_in_the_poll_its_memory_lost_its_owner_is_the_heir()
     assert evidence["first_seen"] == evidence["unaccounted_since"] == 1010.0
 
 
+def test_a_holder_whose_recorded_parent_pid_now_names_another_process_is_no_heir() -> None:
+    """Owner 800 left GPU 0's memory and exited; its PID went to a new process, whose child 801
+    opened the GPU in the same poll interval: the recorded parent 800 is that new process, not
+    the former owner, so nothing ties 801 to the memory (reported, never killed)."""
+    owned = (
+        HostBuilder(monotonic=1000.0)
+        .gpu(0, allocated=LEAK)
+        .proc(800, ppid=1, holds={0}, uvm=True)
+        .nvml(0, 800, used=LEAK)
+        .build()
+    )
+    first = run(owned)
+    reused = (
+        HostBuilder(monotonic=1010.0)
+        .gpu(0, allocated=LEAK)
+        .proc(800, ppid=1, pgid=800, sid=800, start=99_999)
+        .proc(801, ppid=800, pgid=800, sid=800, start=99_999 + 3, holds={0}, uvm=True)
+        .build()
+    )
+    kind, evidence = verdict(run(reused, first.state), 801)
+    assert kind == "hidden_holder", evidence
+
+
 # --- the likely heir of a leak from before the daemon watched ----------------------------------
 #
 # 4121 lost its session leader 4100 and holds GPU 0 (idle) and GPU 1 (20 GiB nobody owns).

@@ -195,8 +195,8 @@ class _Judge:
             uuids = self.gpus_of(finding)
             if not uuids and finding.gpu is None and finding.pid is not None:
                 continue  # holds only nvidiactl/nvidia-uvm: a reset blocker everywhere, below
-            if not uuids:
-                uuids = list(self.reasons)  # about no GPU this poll knows: every GPU, unknown
+            if not uuids:  # about no GPU this poll read (assess names none such): dirt on all
+                uuids = list(self.reasons)
             for uuid in uuids:
                 excused = self.excuse(finding, uuid)
                 if excused is not None and finding.pid is not None:

@@ -252,6 +252,72 @@ def test_a_holder_first_seen_in_the_poll_its_memory_lost_its_owner_is_the_heir()
     assert evidence["first_seen"] == evidence["unaccounted_since"] == 1010.0
 
 
+def test_a_holder_whose_recorded_parent_pid_now_names_another_process_is_no_heir() -> None:
+    """Owner 800 left GPU 0's memory and exited; its PID went to a new process, whose child 801
+    opened the GPU in the same poll interval: the recorded parent 800 is that new process, not
+    the former owner, so nothing ties 801 to the memory (reported, never killed)."""
+    owned = (
+        HostBuilder(monotonic=1000.0)
+        .gpu(0, allocated=LEAK)
+        .proc(800, ppid=1, holds={0}, uvm=True)
+        .nvml(0, 800, used=LEAK)
+        .build()
+    )
+    first = run(owned)
+    reused = (
+        HostBuilder(monotonic=1010.0)
+        .gpu(0, allocated=LEAK)
+        .proc(800, ppid=1, pgid=800, sid=800, start=99_999)
+        .proc(801, ppid=800, pgid=800, sid=800, start=99_999 + 3, holds={0}, uvm=True)
+        .build()
+    )
+    kind, evidence = verdict(run(reused, first.state), 801)
+    assert kind == "hidden_holder", evidence
+
+
+def _leaking(b: HostBuilder) -> HostBuilder:
+    return b.gpu(0, allocated=LEAK)
+
+
+@pytest.mark.parametrize(
+    "unknown",
+    [
+        pytest.param(lambda b: b.gpu(0, allocated=LEAK, processes_readable=False), id="list"),
+        pytest.param(lambda b: b.gpu(0, memory_known=False), id="memory"),
+        pytest.param(lambda b: HostBuilder(monotonic=b.monotonic, wedged=True), id="nvml"),
+    ],
+)
+def test_a_poll_that_cannot_tell_the_memory_unowned_keeps_since_when_it_was(
+    unknown: Callable[[HostBuilder], HostBuilder],
+) -> None:
+    """Owner 800 died leaving GPU 0's memory to its worker 801; 802 joined its session later,
+    so it cannot be the heir. A poll that cannot tell whether the memory is still unowned (its
+    process list, its memory or NVML unread) ends nothing: 802 stays a hidden holder after it."""
+
+    def poll(at: float, gpu: Callable[[HostBuilder], HostBuilder], *pids: int) -> HostBuilder:
+        host = gpu(HostBuilder(monotonic=at))
+        for pid in pids:
+            host.proc(pid, ppid=1, pgid=pid, sid=800, holds={0}, uvm=True)
+        return host
+
+    owned = (
+        HostBuilder(monotonic=1000.0)
+        .gpu(0, allocated=LEAK)
+        .proc(800, ppid=1, holds={0}, uvm=True)
+        .nvml(0, 800, used=LEAK)
+        .proc(801, ppid=800, pgid=801, sid=800, holds={0}, uvm=True)
+        .build()
+    )
+    state = run(owned).state
+    for at, gpu, pids in [(1010.0, _leaking, (801,)), (1020.0, _leaking, (801, 802)),
+                          (1030.0, unknown, (801, 802))]:  # fmt: skip
+        state = run(poll(at, gpu, *pids).build(), state).state
+    result = run(poll(1040.0, _leaking, 801, 802).build(), state)
+    assert verdict(result, 801)[0] == "orphaned"
+    kind, evidence = verdict(result, 802)
+    assert kind == "hidden_holder", evidence
+
+
 # --- the likely heir of a leak from before the daemon watched ----------------------------------
 #
 # 4121 lost its session leader 4100 and holds GPU 0 (idle) and GPU 1 (20 GiB nobody owns).

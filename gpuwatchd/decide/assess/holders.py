@@ -336,8 +336,14 @@ class HolderPass(AssessorState):
         recorded = self.lineage.get(proc.identity) if proc.identity is not None else None
         if tie is None or since is None or recorded is None or recorded.first_seen > since:
             return None
-        live = set(self.host.listed_alive)
-        former = {o.pid for o in self.owners if o.pid not in live}
+        live, procs = set(self.host.listed_alive), self.host.procs
+        # A PID that names another process now (or one of unknown start) may be what the
+        # lineage recorded: reused, it proves nothing.
+        former = {
+            o.pid
+            for o in self.owners
+            if o.pid not in live and (o.pid not in procs or procs[o.pid].identity == o)
+        }
         for link, value in (
             ("recorded parent", recorded.ppid),
             ("recorded process group", recorded.pgid),

@@ -160,12 +160,18 @@ class AssessorState:
         self.inheritance = update_inheritance(host, kept.inheritance, self.lineage)
         self.baselines = learn_baselines(host, previous.baselines, detection)
         self.owners = update_owners(host, kept.owners, self.lineage)
-        since = kept.unaccounted_since
+        since, nvml = kept.unaccounted_since, snapshot.nvml
+        gpus = {gpu.uuid: gpu for gpu in host.gpus}
+        unread = not nvml.available or nvml.wedged
+        # A poll that cannot tell whether the memory is still unowned ends nothing.
         self.unaccounted_since = {
-            gpu.uuid: since.get(gpu.uuid, snapshot.monotonic)
-            for gpu in host.gpus
-            if self.memory_without_owner(gpu) is not None
+            uuid: at
+            for uuid, at in since.items()
+            if unread or (uuid in gpus and self.memory_untold(gpus[uuid]))
         }
+        for gpu in host.gpus:
+            if self.memory_without_owner(gpu) is not None:
+                self.unaccounted_since[gpu.uuid] = since.get(gpu.uuid, snapshot.monotonic)
         self.report_only = _report_only(host, _pid_trust_problem(host, detection, self.lineage))
         self.findings: list[Finding] = []
         self.roles: list[HolderRole] = []
@@ -206,6 +212,12 @@ class AssessorState:
                 evidence=dict(evidence or {}),
             )
         )
+
+    def memory_untold(self, gpu: GpuInfo) -> bool:
+        """Whether this poll cannot tell if ``gpu`` holds memory without an owner (unread)."""
+        figure = compared_figure(gpu, self.baselines, self.detection.default_baseline)
+        unknown = gpu.lost or gpu.processes is None or gpu.coherent_memory is None
+        return unknown or isinstance(figure, str)
 
     def memory_without_owner(self, gpu: GpuInfo) -> dict[str, object] | None:
         """Evidence that ``gpu`` holds memory above baseline+margin with no live owner at all."""

@@ -121,6 +121,16 @@ def test_a_process_type_not_a_string_is_a_snapshot_error_naming_it(kind: object)
         rebuild(report)
 
 
+@pytest.mark.parametrize("mode", [1, None, ["full"], "fully"])
+def test_a_scan_mode_not_full_or_targeted_is_a_snapshot_error_naming_it(mode: object) -> None:
+    """The scan mode came back through str(): a mode 1 or ["full"] was read as a targeted
+    scan; it is checked as the report's other fields are."""
+    report = report_at("dataloader-orphans", 25.0)
+    report["scan_mode"] = mode
+    with pytest.raises(SnapshotError, match=r"snapshot\.scan_mode: expected full or targeted"):
+        rebuild(report)
+
+
 # --- only what applies, in human times --------------------------------------------------------
 
 

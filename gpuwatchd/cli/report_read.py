@@ -63,10 +63,12 @@ def _process(entry: Mapping[str, object]) -> ProcessInfo | None:
     if isinstance(cg, dict) and isinstance(cg.get("path"), str):
         cgroup = CgroupInfo(**pick(cg, CGROUP_FIELDS))
     cmdline = entry.get("cmdline")
+    if not isinstance(cmdline, list) or not all(isinstance(a, str) for a in cmdline):
+        cmdline = None  # unknown, as a malformed fact beside it is
     return ProcessInfo(
         pid=pid,
         **pick(entry, PROCESS_COPIED),
-        cmdline=tuple(str(a) for a in cmdline) if isinstance(cmdline, list) else None,
+        cmdline=None if cmdline is None else tuple(cmdline),
         cgroup=cgroup,
     )
 

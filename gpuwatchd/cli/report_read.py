@@ -63,10 +63,12 @@ def _process(entry: Mapping[str, object]) -> ProcessInfo | None:
     if isinstance(cg, dict) and isinstance(cg.get("path"), str):
         cgroup = CgroupInfo(**pick(cg, CGROUP_FIELDS))
     cmdline = entry.get("cmdline")
+    if not isinstance(cmdline, list) or not all(isinstance(a, str) for a in cmdline):
+        cmdline = None  # unknown, as a malformed fact beside it is
     return ProcessInfo(
         pid=pid,
         **pick(entry, PROCESS_COPIED),
-        cmdline=tuple(str(a) for a in cmdline) if isinstance(cmdline, list) else None,
+        cmdline=None if cmdline is None else tuple(cmdline),
         cgroup=cgroup,
     )
 
@@ -239,6 +241,9 @@ def rebuild(report: Mapping[str, object]) -> tuple[Snapshot, list[Finding], dict
         if isinstance(entry, dict) and (proc := _process(entry)) is not None:
             processes.setdefault(proc.pid, proc)
     findings, first_seen = _read_findings(findings_raw)
+    mode = report.get("scan_mode", "full")  # never guessed: a targeted scan may miss a holder
+    if not isinstance(mode, str) or mode not in ("full", "targeted"):
+        raise SnapshotError("snapshot.scan_mode: expected full or targeted")
     snapshot = Snapshot(
         monotonic=now,
         wall_time=now,
@@ -249,7 +254,7 @@ def rebuild(report: Mapping[str, object]) -> tuple[Snapshot, list[Finding], dict
             gpus=tuple(gpus),
         ),
         processes=processes,
-        holders=HolderScan(mode=str(report.get("scan_mode") or "full"), holdings=holdings),
+        holders=HolderScan(mode=mode, holdings=holdings),
         host_namespaces=host.get("host_namespaces", True),  # type: ignore[arg-type]  # passed on as saved
         spares=spares_from_report(report),
         mig_caps=caps or None,

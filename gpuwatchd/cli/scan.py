@@ -31,6 +31,7 @@ from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.plan.state import PlanState, unfinished_recoveries
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import NodeVerdict, cannot_tell, judge, lost_state, unread_verdict
+from gpuwatchd.events.words import short
 from gpuwatchd.served import holders as holder_view
 from gpuwatchd.served import nvml as nvml_view
 from gpuwatchd.served.guard import ServedPoll
@@ -335,7 +336,8 @@ def _judged_report(
             first_seen = _first_seen_wall(plan, snapshot.monotonic, snapshot.wall_time)
         except ValueError as exc:
             path = os.path.join(policy.state_dir, STATE_FILE)
-            unread = f"{path}: the daemon's plan cannot be read ({exc})"
+            # The reader may name a saved key or entry, as large as the file: cut.
+            unread = f"{path}: the daemon's plan cannot be read ({short(exc)})"
     assessment = assess(snapshot, previous, policy.detection, health_policy=policy.health)
     verdict = judge(snapshot, assessment, policy, unfinished=unfinished)
     spares = spares_in_force(state_dir, policy, snapshot.wall_time)

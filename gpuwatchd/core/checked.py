@@ -51,7 +51,7 @@ def opt_integer(value: object, what: str, low: int = -(1 << 63), high: int = 1 <
         return None
     found = integer(value, what)
     if not low <= found < high:
-        raise ValueError(f"{what}: {found} is out of range")
+        raise ValueError(f"{what}: {shown(found)} is out of range")
     return found
 
 

@@ -726,9 +726,9 @@ class Daemon:
                         reset_in_progress=record,
                     )
                 )
-            except ValueError as exc:
-                log.error(EventName.STATE_INVALID, error=str(exc), path=self.policy.state_dir)
-                lost = self.store.discard_corrupt(str(exc))
+            except ValueError as exc:  # it may echo a saved key or entry: cut as values are
+                log.error(EventName.STATE_INVALID, error=short(exc), path=self.policy.state_dir)
+                lost = self.store.discard_corrupt(short(exc))
             if rebooted:  # the saved id is the file's: any value, as large as the file
                 saved = data.get("boot_id")
                 shown = None if saved is None else short(saved)

@@ -484,3 +484,26 @@ def test_a_scan_reads_the_daemons_saved_plan_once(
     assert result.report is not None
     assert result.report["daemon"]["forced_dry_run"] is True  # type: ignore[index]
     assert result.state_unread is None  # the verdict read it too
+
+
+def test_a_saved_plan_refused_for_a_key_of_any_size_is_said_cut_short(
+    host: SimHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plan's reader names the key it refuses, as large as the file: why the scan cannot
+    tell (check-clean's and scan's message, each clean GPU's reason) says it cut."""
+    from gpuwatchd.cli.scan import scan_host
+    from gpuwatchd.config.schema import load_policy
+
+    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    plan = {**PlanState(boot_id=boot_id).to_json(), "waiting": {"k" * 100_000: "x"}}
+    StateStore(str(host.state_dir)).save(
+        STATE.envelope({"boot_id": boot_id, **_GOOD_SECTIONS, "plan": plan})
+    )
+    host.nvml([gpu(0)])
+    for name, value in host.fake.env().items():
+        monkeypatch.setenv(name, value)
+    result = scan_host(load_policy(str(host.config())))
+    assert result.state_unread is not None
+    assert "plan.waiting.kkkk" in result.state_unread
+    assert len(result.state_unread) < len(str(host.state_dir)) + 250, result.state_unread[:300]
+    assert len(json.dumps(result.report)) < 50_000

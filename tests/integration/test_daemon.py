@@ -549,6 +549,39 @@ def test_a_saved_version_of_any_size_is_said_cut_short(tmp_path: Path, part: str
     assert all("version" in why and "'9999" in why and len(why) < 200 for why in said), said
 
 
+_HUGE = "k" * 100_000
+
+
+@pytest.mark.parametrize(
+    ("part", "entries"),
+    [
+        ("assess", {"baselines": {_HUGE: "x"}}),
+        ("assess", {"unaccounted_since": {_HUGE: "x"}}),
+        ("assess", {"owners": [[_HUGE]]}),
+        ("assess", {"inheritance": [{"pid": _HUGE}]}),
+        ("plan", {"waiting": {_HUGE: "x"}}),
+        ("plan", {"shadow": {**PlanState().shadow.to_json(), "done": {_HUGE: "x"}}}),
+    ],
+)
+def test_a_saved_key_or_entry_of_any_size_is_said_cut_short(
+    tmp_path: Path, part: str, entries: dict[str, object]
+) -> None:
+    """A state file's keys and entries are as large as the file: the reader's message naming
+    one (``EventName.STATE_INVALID``'s ``error``, ``EventName.STATE_CORRUPT``'s ``why``) is
+    cut as event values are, wherever in the state it was."""
+    parts = {"assess": AssessState().to_json(), "plan": _GOOD_PLAN}
+    doc = {**_GOOD, part: {**parts[part], **entries}}
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    (state_dir / "state.json").write_text(json.dumps(doc))
+    policy = dataclasses.replace(default_policy(), state_dir=str(state_dir), dry_run=False)
+    with capture_logs() as logs:
+        Daemon(policy, config_path=str(tmp_path / "none.yaml"))._load_state()
+    said = [e.get("error") or e["why"] for e in logs if e["event"] in _REFUSED_STATE]
+    assert len(said) == 2
+    assert all("kkkk" in why and len(why) <= 160 for why in said), [w[:200] for w in said]
+
+
 def test_a_clear_latches_request_left_while_the_daemon_was_down_never_lifts_a_later_latch(
     tmp_path: Path,
 ) -> None:

@@ -100,3 +100,12 @@ def test_opt_integer_is_none_or_an_integer_in_its_half_open_range(
             checked.opt_integer(value, "what", 0, 10)
     else:
         assert checked.opt_integer(value, "what", 0, 10) == expected
+
+
+def test_an_integer_out_of_range_is_said_cut_short() -> None:
+    """A document's integer is as long as JSON lets it be (4300 digits): the message refusing
+    it (a spare's start_ticks, said in ``EventName.SPARE_ENDED``) shows it cut, as other
+    messages show a hostile value."""
+    with pytest.raises(ValueError, match=r"what: 9999.*out of range") as refused:
+        checked.opt_integer(int("9" * 4000), "what", 0, 10)
+    assert len(str(refused.value)) < 120

@@ -121,6 +121,29 @@ def test_a_process_type_not_a_string_is_a_snapshot_error_naming_it(kind: object)
         rebuild(report)
 
 
+@pytest.mark.parametrize("mode", [1, None, ["full"], "fully"])
+def test_a_scan_mode_not_full_or_targeted_is_a_snapshot_error_naming_it(mode: object) -> None:
+    """The scan mode came back through str(): a mode 1 or ["full"] was read as a targeted
+    scan; it is checked as the report's other fields are."""
+    report = report_at("dataloader-orphans", 25.0)
+    report["scan_mode"] = mode
+    with pytest.raises(SnapshotError, match=r"snapshot\.scan_mode: expected full or targeted"):
+        rebuild(report)
+
+
+@pytest.mark.parametrize("cmdline", [["python", 1], ["python", None], [["train.py"]]])
+def test_a_command_line_of_other_than_strings_is_unknown_as_other_malformed_facts(
+    cmdline: list[object],
+) -> None:
+    """A process's command line came back through str(): an argument 1 was the text "1"; a
+    malformed one is unknown (None), as the process's other facts read leniently are."""
+    report = report_at("dataloader-orphans", 25.0)
+    report["gpus"][0]["holders"][0]["cmdline"] = cmdline  # type: ignore[index]
+    snapshot = rebuild(report)[0]
+    assert snapshot.processes[4250].cmdline is None
+    assert snapshot.processes[4251].cmdline == ("python", "train.py", "--epochs", "90")
+
+
 # --- only what applies, in human times --------------------------------------------------------
 
 

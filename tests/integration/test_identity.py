@@ -50,7 +50,11 @@ def folder() -> Iterator[Path]:
 
 @pytest.fixture
 def start() -> Iterator[Start]:
-    """Start ``program`` (argv[0] ``argv0``) as root or as uid 1001; its facts once it runs."""
+    """Start ``program`` (argv[0] ``argv0``) as root or as uid 1001; its facts once it runs.
+    Runs: its command line is the one asked, which the kernel sets after comm and a set-user-ID
+    program's credentials (a reading in between has an empty one: no argv[0] claim, no owner
+    read). Then read afresh: a reading begun earlier may have read ``status`` before setpriv
+    dropped to uid 1001."""
     children: list[subprocess.Popen[bytes]] = []
     procfs = ProcFS()
 
@@ -64,8 +68,10 @@ def start() -> Iterator[Start]:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             info = procfs.read_process(child.pid)
-            if info is not None and info.comm not in ("setpriv", "bash"):
-                return info
+            if info is not None and info.cmdline == (argv0 or program, "600"):
+                settled = procfs.read_process(child.pid)
+                assert settled is not None
+                return settled
             time.sleep(0.01)
         raise TimeoutError(f"{program} did not start")
 

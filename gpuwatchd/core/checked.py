@@ -38,6 +38,19 @@ def opt_text(value: object, what: str) -> str | None:
     return None if value is None else text(value, what)
 
 
+MAX_REASON = 512  # characters of a saved free-text reason kept (a pause's too: state/pause.py)
+
+
+def reason(value: object, what: str) -> str:
+    """A saved reason cut at :data:`MAX_REASON` characters: it only says why, and refusing it
+    would move the whole file around it aside."""
+    return text(value, what)[:MAX_REASON]
+
+
+def opt_reason(value: object, what: str) -> str | None:
+    return None if value is None else reason(value, what)
+
+
 def integer(value: object, what: str) -> int:
     number = as_int(value)
     if number is None:

@@ -5,10 +5,12 @@ the daemon must wake next. Each test is a short timeline of ``plan`` and ``recor
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
 
+from gpuwatchd.core.checked import MAX_REASON
 from gpuwatchd.core.model import MIB, Finding, FindingKind, NvmlReading, Snapshot, Spare, SubIdRange
 from gpuwatchd.core.vocabulary import EventName, LadderStatus, Level, check_ladder_transition
 from gpuwatchd.decide.plan.decisions import next_deadline, pending_keys, plan
@@ -732,6 +734,20 @@ def test_a_latch_without_a_start_counts_from_now_on_the_monotonic_clock() -> Non
     assert jumped.state.forced_dry_run
     lifted = plan([], host().build(), jumped.state, pol, now=600.0, wall=WALL + 10_590.0)
     assert whys(lifted, EventName.LIMITS_KILL_CAP_EXPIRED) == ["storm"]
+
+
+def test_a_saved_latch_reason_of_any_size_is_said_cut_when_the_latch_lifts() -> None:
+    """A state file is read after a crash, an older version or a disk error: the 100,000
+    characters of a latch's reason were said whole as ``why`` when it lifted."""
+    pol = replace(POLICY, limits=replace(POLICY.limits, kill_cap_latch=600.0))
+    huge = "storm " + "x" * 100_000
+    saved = replace(started(A, pol=pol), forced_dry_run=True, forced_reason=huge,
+                    forced_since=WALL, forced_since_monotonic=0.0,
+                    scope_latches={"uid:1000": Latch(huge, WALL, 0.0)})  # fmt: skip
+    state = PlanState.from_json(json.loads(json.dumps(saved.to_json())))
+    assert state.ladders == saved.ladders  # the rest of the state is read with it
+    lifted = poll([], host().build(), state, 700.0, pol)
+    assert whys(lifted, EventName.LIMITS_KILL_CAP_EXPIRED) == [huge[:MAX_REASON]] * 2
 
 
 def test_only_an_active_ladder_moves_and_an_unknown_status_is_refused() -> None:

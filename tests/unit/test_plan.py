@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gpuwatchd.core.checked import MAX_REASON
 from gpuwatchd.core.model import (
     MIB,
     CgroupInfo,
@@ -39,6 +40,7 @@ from gpuwatchd.decide.plan.decisions import (
 )
 from gpuwatchd.decide.plan.intents import HookIntent, PlanResult, ResetIntent, kill_cap_scope
 from gpuwatchd.decide.plan.outcomes import record_exit, record_reset, record_signal
+from gpuwatchd.decide.plan.shadow import DryShadow
 from gpuwatchd.decide.plan.state import (
     Ladder,
     Latch,
@@ -1407,6 +1409,34 @@ def test_a_damaged_part_of_the_saved_plan_is_named_by_its_place(
 ) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         PlanState.from_json({part: value})
+
+
+@pytest.mark.parametrize(
+    ("place", "saved"),
+    [
+        ("forced_reason", lambda why: PlanState(forced_dry_run=True, forced_reason=why)),
+        ("paused_reason", lambda why: PlanState(paused=True, paused_reason=why)),
+        ("a kill-cap latch", lambda why: PlanState(scope_latches={"uid:7": Latch(why, 1.0)})),
+        ("a reset refusal", lambda why: PlanState(reset_refusals={
+            GPU0: ResetRefusal("k", why, False, 1.0)})),
+        ("a MIG recovery's outcome", lambda why: PlanState(mig_unfinished={
+            "MIG-0": MigUnfinished(GPU0, 1, 19, 6, 1, 1.0, why)})),
+        ("the would-be node latch", lambda why: PlanState(shadow=DryShadow(capped=why))),
+        ("a would-be latch", lambda why: PlanState(shadow=DryShadow(latches={
+            "uid:7": (why, 1.0)}))),
+    ],
+)  # fmt: skip
+def test_a_saved_reason_of_any_size_is_read_cut_and_the_rest_of_the_plan_with_it(
+    place: str, saved: Callable[[str], PlanState]
+) -> None:
+    """A state file is read after a crash, an older version or a disk error: a reason in it
+    (said in events, the STATUS line and ``status``) is cut as a pause's is, never refused (that
+    would move the whole file aside), and one of this length or shorter is kept whole."""
+    kept = "r" * MAX_REASON
+    assert PlanState.from_json(json.loads(json.dumps(saved(kept).to_json()))) == saved(kept)
+    huge = replace(saved(kept + "x" * 100_000), signal_history=(("7@70", 3.0),))
+    read = PlanState.from_json(json.loads(json.dumps(huge.to_json())))
+    assert read == replace(saved(kept), signal_history=(("7@70", 3.0),)), place
 
 
 def test_ladder_follows_the_process_when_its_finding_changes_kind() -> None:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypeVar, cast
 
-from gpuwatchd.core.checked import items, number, obj, opt_number, pairs, text
+from gpuwatchd.core.checked import MAX_REASON, items, number, obj, opt_number, pairs, reason, text
 from gpuwatchd.decide.policy import Limits
 
 HOUR = 3600.0
@@ -63,7 +63,7 @@ class DryShadow:
             resets=pairs(data.get("resets", []), "plan.shadow.resets", MAX_ENTRIES),
             done=_entries(data, "done", number),
             signalled=pairs(data.get("signalled", []), "plan.shadow.signalled", MAX_ENTRIES),
-            capped=capped,
+            capped=None if capped is None else capped[:MAX_REASON],
             forced=tuple(cast(list[str], forced)),
             scopes=_entries(data, "scopes", text),
             capped_since=opt_number(data.get("capped_since"), "plan.shadow.capped_since"),
@@ -106,7 +106,7 @@ def _entries(
 def _latch(value: object, what: str) -> tuple[str, float]:
     if not isinstance(value, list) or len(value) != 2:
         raise ValueError(f"{what}: expected [why, since]")
-    return text(value[0], what), number(value[1], what)
+    return reason(value[0], what), number(value[1], what)
 
 
 class ShadowWork:

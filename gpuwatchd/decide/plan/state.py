@@ -20,8 +20,10 @@ from gpuwatchd.core.checked import (
     numbers,
     obj,
     opt_number,
+    opt_reason,
     opt_text,
     pairs,
+    reason,
     shown,
     text,
 )
@@ -262,11 +264,11 @@ def _opt_int(value: object, what: str) -> int | None:
 
 # PlanState's own scalar fields ("reset_failures" is also checked to be >= 0).
 _SCALARS = _Form(PlanState, {"boot_id": opt_text, "reset_failures": integer,
-                 "circuit_open": flag, "forced_dry_run": flag, "forced_reason": opt_text,
+                 "circuit_open": flag, "forced_dry_run": flag, "forced_reason": opt_reason,
                  "forced_since": opt_number,
                  # absent in older state files: anchored once by wall time
                  "forced_since_monotonic": opt_number,
-                 "paused": flag, "paused_reason": opt_text, "paused_until": opt_number,
+                 "paused": flag, "paused_reason": opt_reason, "paused_until": opt_number,
                  "last_wall": opt_number,
                  # absent in older state files: a forward step is first seen after a poll
                  "last_monotonic": opt_number},
@@ -277,15 +279,15 @@ _SEEN = _Form(
 )
 _IN_FLIGHT = _Form(ResetInFlight, {"gpu": text, "finding=finding_key": text, "dry_run": flag,
                    "since": number, "delay": number}, {"delay": 0.0})  # fmt: skip
-_LATCH = _Form(Latch, {"reason": text, "since": number, "since_monotonic": opt_number})
+_LATCH = _Form(Latch, {"reason": reason, "since": number, "since_monotonic": opt_number})
 _HEALTH_WAIT = _Form(HealthWait, {"finding=finding_key": text, "since": number,
                      "dry_run": flag, "expired": flag}, {"expired": False})  # fmt: skip
-_REFUSAL = _Form(ResetRefusal, {"finding=finding_key": text, "reason": text, "in_use": flag,
+_REFUSAL = _Form(ResetRefusal, {"finding=finding_key": text, "reason": reason, "in_use": flag,
                  "since": number, "allocated": _opt_int, "dry_run": flag, "held": flag},
                  {"dry_run": False, "held": False})  # fmt: skip
 _UNFINISHED = _Form(MigUnfinished, {"gpu": text, "gi": integer, "profile": integer,
                     "placement": integer, "size": integer, "since": number,
-                    "outcome": text})  # fmt: skip
+                    "outcome": reason})  # fmt: skip
 
 # A ladder's fields in its events, and (with the rest, in this order) in the state file.
 LADDER_EVENT_FIELDS = ("target", "pid", "start_ticks", "finding=finding_key", "rule", "gpu",

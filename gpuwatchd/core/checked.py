@@ -38,7 +38,7 @@ def opt_text(value: object, what: str) -> str | None:
     return None if value is None else text(value, what)
 
 
-MAX_REASON = 512  # characters of a saved free-text reason kept (a pause's too: state/pause.py)
+MAX_REASON = 512  # characters of a saved free-text reason kept (a pause's and a spare's too)
 
 
 def reason(value: object, what: str) -> str:

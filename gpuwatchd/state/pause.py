@@ -14,14 +14,13 @@ from dataclasses import dataclass
 
 from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.jobs import scheduler_ended_job
-from gpuwatchd.core.checked import as_number
+from gpuwatchd.core.checked import MAX_REASON, as_number
 from gpuwatchd.core.codec import Format
 from gpuwatchd.core.model import Pause, as_int
 from gpuwatchd.state.directory import StateDir, hashed_name
 
 PAUSE_FILE = "paused"
 CLEAR_LATCHES_FILE = "clear-latches"
-MAX_REASON = 512  # characters of a pause reason kept
 ENDED_JOB_PREFIX = "ended-job-"
 MAX_ENDED_JOBS = 64  # hand-overs honoured at once; more wait (kept, reported) until some expire
 MAX_ENDED_JOB_FILE = 4096

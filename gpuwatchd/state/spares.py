@@ -13,7 +13,7 @@ from typing import Any
 
 from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.jobs import scheduler_ended_job
-from gpuwatchd.core.checked import as_number, decimal, opt_integer
+from gpuwatchd.core.checked import MAX_REASON, as_number, decimal, opt_integer
 from gpuwatchd.core.codec import Format
 from gpuwatchd.core.model import Spare
 from gpuwatchd.state.directory import StateDir, hashed_name
@@ -23,7 +23,6 @@ MAX_SPARES = 64  # spares honoured at once; a node needs a handful
 # The largest written is ~7.5 kB: a reason of MAX_REASON characters outside the BMP (12 bytes
 # each as JSON) and the longest unit name, twice (target and job), each byte escaped.
 MAX_SPARE_FILE = 8192
-MAX_REASON = 512
 # The target, its end and its boot are checked against the file name and the clock (_spare).
 SPARE = Format(
     SPARE_PREFIX,

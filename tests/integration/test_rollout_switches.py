@@ -26,6 +26,7 @@ from gpuwatchd.cli.status_text import render_text
 from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.procfs import PROC_PID_INIT_INO
 from gpuwatchd.config.schema import default_policy
+from gpuwatchd.core.checked import MAX_REASON
 from gpuwatchd.core.model import CgroupInfo, NvmlReading, ProcessInfo, Spare
 from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.daemon.lifecycle import Daemon
@@ -81,7 +82,7 @@ def test_a_timed_pause_with_a_long_reason_still_ends_by_itself(state: StateDir) 
     reason = "r" * 70_000  # an argument may be 128 KiB
     set_pause(state, reason=reason, clock=BootTime(NOW, 1000.0, "b1"), seconds=60)
     now = poll_pause(state, BootTime(NOW + 59, 1059.0, "b1"), max_pause=DAY)
-    assert (now.reason, now.until) == (reason[: pause.MAX_REASON], NOW + 60)
+    assert (now.reason, now.until) == (reason[:MAX_REASON], NOW + 60)
     assert poll_pause(state, BootTime(NOW + 60, 1060.0, "b1"), max_pause=DAY).reason is None
 
 
@@ -927,7 +928,7 @@ def test_the_largest_spare_written_is_read_back(state: StateDir) -> None:
     said to hold was ignored (and removed by the daemon)."""
     job = "unit:" + "\\" * 250 + ".service"  # the longest unit name, each byte escaped
     key, _pid, checked = parse_target(f"job:{job}")
-    reason = "\U0001f600" * pause.MAX_REASON
+    reason = "\U0001f600" * MAX_REASON
     clock = boot(NOW, 1000.0)
     write_spare(state, key, clock=clock, seconds=600, reason=reason + "!", job=checked)
     found = read_spares(state, clock, max_spare=DAY, remove_stale=True)

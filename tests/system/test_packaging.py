@@ -8,6 +8,7 @@ python3-shtab is missing: tests/systemd/host-setup.sh installs them) and listed 
 from __future__ import annotations
 
 import argparse
+import gzip
 import os
 import re
 import shutil
@@ -250,6 +251,24 @@ def test_the_package_ships_the_docs(deb_listing: dict[str, str]) -> None:
             deb_listing
         ), doc.name
     assert f"{DOC}/README.md.gz" in deb_listing
+
+
+def test_the_project_and_packaging_readmes_are_both_shipped_each_whole(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """Both are named README.md: in one folder the second replaced the first, so the package's
+    README.md.gz was the packaging notes and the project's README was not shipped."""
+    why = _why_no_build()
+    if why is not None:
+        pytest.skip(why)
+    subprocess.run(["dpkg-deb", "-x", str(built_deb(tmp_path_factory)), str(tmp_path)], check=True)
+    for source, shipped in (
+        ("README.md", "README.md.gz"),
+        ("packaging/README.md", "packaging/README.md.gz"),
+    ):
+        assert (
+            gzip.decompress((tmp_path / DOC / shipped).read_bytes()) == (REPO / source).read_bytes()
+        )
 
 
 def test_the_package_ships_the_scenarios_where_the_docs_point(

@@ -253,22 +253,36 @@ def test_the_package_ships_the_docs(deb_listing: dict[str, str]) -> None:
     assert f"{DOC}/README.md.gz" in deb_listing
 
 
-def test_the_project_and_packaging_readmes_are_both_shipped_each_whole(
-    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
-) -> None:
-    """Both are named README.md: in one folder the second replaced the first, so the package's
-    README.md.gz was the packaging notes and the project's README was not shipped."""
+@pytest.fixture(scope="module")
+def deb_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The package's files, unpacked with dpkg-deb -x from a fresh build."""
     why = _why_no_build()
     if why is not None:
         pytest.skip(why)
-    subprocess.run(["dpkg-deb", "-x", str(built_deb(tmp_path_factory)), str(tmp_path)], check=True)
+    tree = tmp_path_factory.mktemp("deb-tree")
+    subprocess.run(["dpkg-deb", "-x", str(built_deb(tmp_path_factory)), str(tree)], check=True)
+    return tree
+
+
+def test_the_project_and_packaging_readmes_are_both_shipped_each_whole(deb_tree: Path) -> None:
+    """Both are named README.md: in one folder the second replaced the first, so the package's
+    README.md.gz was the packaging notes and the project's README was not shipped."""
     for source, shipped in (
         ("README.md", "README.md.gz"),
         ("packaging/README.md", "packaging/README.md.gz"),
     ):
         assert (
-            gzip.decompress((tmp_path / DOC / shipped).read_bytes()) == (REPO / source).read_bytes()
+            gzip.decompress((deb_tree / DOC / shipped).read_bytes()) == (REPO / source).read_bytes()
         )
+
+
+def test_the_journal_catalog_links_documentation_the_package_ships(deb_tree: Path) -> None:
+    """`journalctl -x` shows each entry's Documentation: a file:// link must name a file that
+    is there (dh_compress would have made events.md events.md.gz)."""
+    catalog = (deb_tree / "usr/lib/systemd/catalog/gpuwatchd.catalog").read_text()
+    links = set(re.findall(r"^Documentation: file://(\S+)$", catalog, re.M))
+    assert links
+    assert {link for link in links if not (deb_tree / link.lstrip("/")).is_file()} == set()
 
 
 def test_the_package_ships_the_scenarios_where_the_docs_point(

@@ -276,6 +276,18 @@ def test_the_project_and_packaging_readmes_are_both_shipped_each_whole(deb_tree:
         )
 
 
+def test_the_man_pages_name_documentation_the_package_ships(deb_tree: Path) -> None:
+    """A path under /usr/share/doc/gpuwatchd that a man page names is a file or folder of
+    the package, as installed (compressed where dh_compress compresses it)."""
+    named = {
+        path.rstrip(".").replace("\\-", "-")
+        for page in (REPO / "docs" / "man").iterdir()
+        for path in re.findall(rf"/{DOC}/[^\s)*]*", page.read_text())
+    }
+    assert named
+    assert {path for path in named if not (deb_tree / path.lstrip("/")).exists()} == set()
+
+
 def test_the_journal_catalog_links_documentation_the_package_ships(deb_tree: Path) -> None:
     """`journalctl -x` shows each entry's Documentation: a file:// link must name a file that
     is there (dh_compress would have made events.md events.md.gz)."""

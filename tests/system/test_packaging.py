@@ -8,6 +8,7 @@ python3-shtab is missing: tests/systemd/host-setup.sh installs them) and listed 
 from __future__ import annotations
 
 import argparse
+import gzip
 import os
 import re
 import shutil
@@ -250,6 +251,50 @@ def test_the_package_ships_the_docs(deb_listing: dict[str, str]) -> None:
             deb_listing
         ), doc.name
     assert f"{DOC}/README.md.gz" in deb_listing
+
+
+@pytest.fixture(scope="module")
+def deb_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The package's files, unpacked with dpkg-deb -x from a fresh build."""
+    why = _why_no_build()
+    if why is not None:
+        pytest.skip(why)
+    tree = tmp_path_factory.mktemp("deb-tree")
+    subprocess.run(["dpkg-deb", "-x", str(built_deb(tmp_path_factory)), str(tree)], check=True)
+    return tree
+
+
+def test_the_project_and_packaging_readmes_are_both_shipped_each_whole(deb_tree: Path) -> None:
+    """Both are named README.md: in one folder the second replaced the first, so the package's
+    README.md.gz was the packaging notes and the project's README was not shipped."""
+    for source, shipped in (
+        ("README.md", "README.md.gz"),
+        ("packaging/README.md", "packaging/README.md.gz"),
+    ):
+        assert (
+            gzip.decompress((deb_tree / DOC / shipped).read_bytes()) == (REPO / source).read_bytes()
+        )
+
+
+def test_the_man_pages_name_documentation_the_package_ships(deb_tree: Path) -> None:
+    """A path under /usr/share/doc/gpuwatchd that a man page names is a file or folder of
+    the package, as installed (compressed where dh_compress compresses it)."""
+    named = {
+        path.rstrip(".").replace("\\-", "-")
+        for page in (REPO / "docs" / "man").iterdir()
+        for path in re.findall(rf"/{DOC}/[^\s)*]*", page.read_text())
+    }
+    assert named
+    assert {path for path in named if not (deb_tree / path.lstrip("/")).exists()} == set()
+
+
+def test_the_journal_catalog_links_documentation_the_package_ships(deb_tree: Path) -> None:
+    """`journalctl -x` shows each entry's Documentation: a file:// link must name a file that
+    is there (dh_compress would have made events.md events.md.gz)."""
+    catalog = (deb_tree / "usr/lib/systemd/catalog/gpuwatchd.catalog").read_text()
+    links = set(re.findall(r"^Documentation: file://(\S+)$", catalog, re.M))
+    assert links
+    assert {link for link in links if not (deb_tree / link.lstrip("/")).is_file()} == set()
 
 
 def test_the_package_ships_the_scenarios_where_the_docs_point(

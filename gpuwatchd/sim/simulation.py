@@ -21,6 +21,7 @@ from gpuwatchd.config.schema import (
     render_policy,
 )
 from gpuwatchd.config.yamlsrc import ConfigError
+from gpuwatchd.core.escape import escape
 from gpuwatchd.core.model import GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot, Spare
 from gpuwatchd.core.vocabulary import EventName, Level, SignalOutcome, TimelineEvent
 from gpuwatchd.decide.argv import format_argv
@@ -141,7 +142,8 @@ class Simulation:
         self.schedule(self.now + delay, "exit", (proc.name, why, proc.start_ticks))
 
     def add(self, name: str, level: Level, text: str, **fields: object) -> None:
-        self.timeline.append(Entry(self.now, name, level, text, fields))
+        """A timeline entry; its sentence escaped, as the journal's is (the scenario's names)."""
+        self.timeline.append(Entry(self.now, name, level, escape(text), fields))
 
     def happened(self, name: TimelineEvent, text: str, **fields: object) -> None:
         """What the scenario made happen: a ``world.*`` entry, at info."""

@@ -526,3 +526,24 @@ def test_a_scenario_interval_is_bounded_as_the_policys(interval: str) -> None:
         parse_scenario("s.yaml", f"duration: 1m\ninterval: {interval}\ngpus: [{{}}]\n")
     assert (err.value.line, err.value.key) == (2, "interval")
     assert err.value.message.startswith("must be >= 100ms and <= 1h, got")
+
+
+def test_a_scenario_s_names_and_commands_are_shown_escaped_one_line_each() -> None:
+    """docs/threat-model.md: simulate's terminal output shows every control character as a
+    visible escape. A process named with a line break or an ANSI escape (a double-quoted YAML
+    escape) forged timeline lines and painted the terminal, in the text and in the JSON's
+    sentences alike."""
+    text = (
+        'duration: 1m\ndescription: "a \\e[2J scenario"\ngpus: [{index: 0}]\nprocesses:\n'
+        '  - {name: "t\\e[31m", holds: [0], nvml: {0: 1GiB}}\n'
+        '  - {name: "w\\nforged", ppid: "t\\e[31m", holds: [0]}\n'
+        'events:\n  - {at: 1s, exit: "t\\e[31m"}\n'
+        '  - {at: 2s, start: {name: s, command: ["sh", "-c", "x\\ny"]}}\n'
+    )
+    result = simulate(parse_scenario("s.yaml", text))
+    lines = render_text(result).splitlines()
+    assert all(line.isprintable() for line in lines)
+    assert not any(line.startswith("forged") or line == "y" for line in lines)
+    assert "w\\nforged" in render_text(result)
+    assert "t\\x1b[31m" in render_text(result)
+    assert all(entry.text.isprintable() for entry in result.timeline)

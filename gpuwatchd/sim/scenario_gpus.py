@@ -57,6 +57,7 @@ class ReaderBase:
         self.text = text
         self.names: dict[str, int] = {}
         self.gpus: dict[int, GpuSpec] = {}  # the scenario's GPUs by index, once read
+        self.pid_max = HostSpec.pid_max  # the host's, once read: every PID is below it
 
     def mapping(self, node: Node, keys: Sequence[str]) -> Map:
         if not isinstance(node, Map):
@@ -125,6 +126,7 @@ class GpuReader(ReaderBase):
                 ended.add(scheduler_ended_job(self.string(item), {}))
             except ValueError as err:
                 raise item.error(str(err)) from None
+        self.pid_max = pid_max
         return HostSpec(namespaces, mps, pid_max, frozenset(ended))
 
     def know_gpus(self, nodes: Sequence[Node], gpus: Sequence[GpuSpec]) -> None:

@@ -102,6 +102,18 @@ def scenario(dry: str = "false", sigterm: str = "exit") -> str:
             "a process name cannot be empty",
         ),
         ("duration: [1m\n", 2, None, "YAML syntax"),
+        (  # no kernel gives it: the daemon took NVML's listing of it for an invalid PID
+            "duration: 1m\ngpus: [{index: 0}]\nprocesses:\n  - {name: a, pid: 4194304}\n",
+            4,
+            "processes[0].pid",
+            "PID 4194304 is not below host.pid_max (4194304)",
+        ),
+        (
+            "duration: 1m\nhost: {pid_max: 1000}\ngpus: [{index: 0}]\nprocesses: [{name: a}]\n",
+            4,
+            "processes[0].name",
+            "PID 1000 is not below host.pid_max (1000)",
+        ),
     ],
 )
 def test_malformed_scenario_names_line_and_field(

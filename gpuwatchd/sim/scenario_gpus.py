@@ -8,6 +8,7 @@ import re
 from collections.abc import Mapping, Sequence
 
 from gpuwatchd.collect.jobs import scheduler_ended_job
+from gpuwatchd.collect.kernel_log import MAX_PID
 from gpuwatchd.config.keys import BOOL, items_of, kind_of, scalar
 from gpuwatchd.config.units import parse_duration, parse_size
 from gpuwatchd.config.yamlsrc import (
@@ -120,6 +121,8 @@ class GpuReader(ReaderBase):
             namespaces = value
         mps = BOOL.read(n) if (n := m.entries.get("mps_server_running")) else False
         pid_max = self.integer(n, 1) if (n := m.entries.get("pid_max")) else spec.pid_max
+        if n is not None and pid_max > MAX_PID:  # a start time sorts by PID (world.py)
+            raise n.error(f"at most {MAX_PID}, the kernel's largest pid_max; got {pid_max}")
         ended: set[str] = set()
         for item in items_of(n) if (n := m.entries.get("ended_jobs")) is not None else []:
             try:

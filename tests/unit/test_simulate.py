@@ -114,6 +114,12 @@ def scenario(dry: str = "false", sigterm: str = "exit") -> str:
             "processes[0].name",
             "PID 1000 is not below host.pid_max (1000)",
         ),
+        (  # no kernel allows it: a listed PID of 10**7 sorted after an epilog's hand-over
+            "duration: 1m\nhost:\n  pid_max: 100000000\ngpus: [{index: 0}]\n",
+            3,
+            "host.pid_max",
+            "at most 4194304, the kernel's largest pid_max",
+        ),
     ],
 )
 def test_malformed_scenario_names_line_and_field(

@@ -22,7 +22,15 @@ from gpuwatchd.config.schema import (
 )
 from gpuwatchd.config.yamlsrc import ConfigError
 from gpuwatchd.core.escape import escape
-from gpuwatchd.core.model import GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot, Spare
+from gpuwatchd.core.model import (
+    GpuInfo,
+    HolderScan,
+    Pause,
+    ProcessIdentity,
+    ProcessInfo,
+    Snapshot,
+    Spare,
+)
 from gpuwatchd.core.vocabulary import EventName, Level, SignalOutcome, TimelineEvent
 from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.decide.policy import Policy
@@ -113,6 +121,7 @@ class Simulation:
         self.seq = itertools.count()
         self.during: dict[str, list[EventSpec]] = {}  # reset step -> its events, fired once
         self.spares: dict[str, Spare] = {}  # `spare` events: read by the daemon at each poll
+        self.pause: Pause | None = None  # `pause`/`resume` events: read at the next poll, too
         _check_playable(scenario, self.policy)
         for event in scenario.events:
             if event.during is not None:
@@ -170,7 +179,7 @@ class Simulation:
             self.polls += 1
             wall = WALL0 + self.now  # as the daemon reads the spare files: those in force
             spares = tuple(s for s in self.spares.values() if s.until > wall)
-            until = self.engine.poll(PollInputs(spares=spares)).wake_at
+            until = self.engine.poll(PollInputs(pause=self.pause, spares=spares)).wake_at
             busy = busy + 1 if until <= previous else 0
             if busy >= BUSY_POLLS:
                 self.add(
@@ -243,7 +252,7 @@ class Simulation:
         of these three leaves the others' steps alone)."""
         action = event.action
         if action in ("pause", "resume"):
-            self.engine.set_paused((event.value or "admin") if action == "pause" else None)
+            self.pause = Pause((event.value or "admin") if action == "pause" else None)
         elif action == "spare" and (spare := self.world.spare(event, WALL0 + self.now)) is not None:
             self.spares[spare.target] = spare
         self._apply_to_process(event)

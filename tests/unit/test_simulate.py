@@ -565,3 +565,21 @@ def test_a_scenario_s_names_and_commands_are_shown_escaped_one_line_each() -> No
     assert "w\\nforged" in render_text(result)
     assert "t\\x1b[31m" in render_text(result)
     assert all(entry.text.isprintable() for entry in result.timeline)
+
+
+def test_a_pause_is_read_at_the_daemons_next_poll_not_in_the_middle_of_a_reset() -> None:
+    """The daemon reads the pause file when a poll starts: a ``gpuwatchd pause`` between two
+    polls, or while a reset runs, holds nothing before the next poll. The simulation paused
+    the engine at the event itself, so a pause during a reset's drain step withheld that
+    reset's on_failure hooks, which the daemon runs, and said the pause seconds early."""
+    text = (
+        "duration: 3m\npolicy:\n  dry_run: false\n  reset: {confirm_for: 1m, cooldown: 1h}\n"
+        "  on_failure:\n    - command: [logger, reset failed]\n"
+        "gpus: [{index: 0, memory: {leaked: 10GiB}}]\n"
+        "events:\n  - {at: 0s, reset_result: fail}\n  - {during: drain, pause: maintenance}\n"
+        "  - {at: 97s, resume: null}\n"
+    )
+    r = simulate(parse_scenario("s.yaml", text))
+    assert r.final["hooks_run"] == 1  # on_failure, run as the daemon would
+    assert [e.t for e in r.entries("daemon.paused")] == [65.0]  # the poll after the reset
+    assert [e.t for e in r.entries("daemon.resumed")] == [100.0]

@@ -93,10 +93,15 @@ class ReaderBase:
             raise node.error(err.message) from None
 
     def size(self, node: Node) -> int:
+        """A size in bytes below 2**53, as a size with a unit is (config/units): no GPU has
+        more, and the daemon's sums of NVML's figures are exact only below it."""
         try:
-            return parse_size(scalar(node), where=node.path)
+            size = parse_size(scalar(node), where=node.path)
         except ConfigError as err:
             raise node.error(err.message) from None
+        if size >= 2**53:
+            raise node.error(f"size {shown(scalar(node))} is too large")
+        return size
 
     def choice(self, node: Node, choices: Sequence[str]) -> str:
         value = self.string(node)

@@ -114,6 +114,18 @@ def scenario(dry: str = "false", sigterm: str = "exit") -> str:
             "processes[0].name",
             "PID 1000 is not below host.pid_max (1000)",
         ),
+        (  # a bare integer past 2**53 bytes: the assessment's float sums no longer add up
+            "duration: 1m\ngpus:\n  - memory: {total: 100000000000000000000000000000}\n",
+            3,
+            "gpus[0].memory.total",
+            "size 100000000000000000000000000000 is too large",
+        ),
+        (
+            "duration: 1m\ngpus: [{}]\nprocesses:\n  - {name: a, nvml: {0: 9007199254740992}}\n",
+            4,
+            "processes[0].nvml.0",
+            "size 9007199254740992 is too large",
+        ),
         (  # no kernel allows it: a listed PID of 10**7 sorted after an epilog's hand-over
             "duration: 1m\nhost:\n  pid_max: 100000000\ngpus: [{index: 0}]\n",
             3,

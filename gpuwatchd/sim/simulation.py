@@ -281,6 +281,8 @@ class Simulation:
                 self.happened(
                     TimelineEvent.STATE, said, process=proc.name, pid=proc.pid, state=event.value
                 )
+                if event.value != "D" and any(s == "SIGKILL" for _, s, _ in proc.signals):
+                    self.exit_later(proc, 0, "killed by SIGKILL, pending while in D state")
         elif action == "reap" and event.target is not None:
             proc = world.by_name(event.target)
             if proc is not None and proc.present and not proc.alive:

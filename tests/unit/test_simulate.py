@@ -595,3 +595,15 @@ def test_a_pause_is_read_at_the_daemons_next_poll_not_in_the_middle_of_a_reset()
     assert r.final["hooks_run"] == 1  # on_failure, run as the daemon would
     assert [e.t for e in r.entries("daemon.paused")] == [65.0]  # the poll after the reset
     assert [e.t for e in r.entries("daemon.resumed")] == [100.0]
+
+
+def test_a_process_killed_while_stuck_in_d_state_dies_when_it_leaves_it() -> None:
+    """SIGKILL stays pending while a process sleeps uninterruptibly; it dies as soon as the
+    driver lets it go. The simulated worker lived on, SIGKILLed and in state S, its memory
+    pinned and its finding open, where the daemon would have seen it exit."""
+    text = scenario(sigterm="ignore").replace("via: map}", "via: map}\n    on_sigkill: stuck")
+    r = simulate(parse_scenario("s.yaml", text + "  - {at: 150s, state: {worker: S}}\n"))
+    worker = next(p for p in r.final["processes"] if p["name"] == "worker")  # type: ignore[attr-defined]
+    assert [s["signal"] for s in worker["signals"]] == ["SIGTERM", "SIGKILL"]
+    assert (worker["status"], worker["exited_at"]) == ("exited", 150.0)
+    assert r.final["open_findings"] == []

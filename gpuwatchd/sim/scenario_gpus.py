@@ -174,6 +174,8 @@ class GpuReader(ReaderBase):
         self.nvml_value(get("uuid") or m, "uuid", uuid)
         name = self.string(n) if (n := get("name")) is not None else "NVIDIA H100 80GB HBM3"
         bus = self.string(n) if (n := get("pci_bus_id")) is not None else _default_bus(index)
+        if n is not None and not isinstance(scalar(n), str):  # YAML 1.1: 17:00.0 is base 60
+            raise n.error(f"YAML read a number ({shown(scalar(n))}): quote a PCI bus id")
         self.nvml_value(get("pci_bus_id") or m, "pci_bus_id", bus)
         minor = self.integer(n) if (n := get("minor")) is not None else index
         memory = {"total": 80 * GIB, "allocated": 4 * MIB, "reserved": 512 * MIB, "leaked": 0}

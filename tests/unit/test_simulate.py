@@ -114,6 +114,12 @@ def scenario(dry: str = "false", sigterm: str = "exit") -> str:
             "processes[0].name",
             "PID 1000 is not below host.pid_max (1000)",
         ),
+        (  # as docs/simulate.md wrote it: YAML 1.1 reads it as a sexagesimal 1020.0
+            "duration: 1m\ngpus:\n  - pci_bus_id: 00000000:17:00.0\n",
+            3,
+            "gpus[0].pci_bus_id",
+            "YAML read a number (1020.0): quote a PCI bus id",
+        ),
         (  # a bare integer past 2**53 bytes: the assessment's float sums no longer add up
             "duration: 1m\ngpus:\n  - memory: {total: 100000000000000000000000000000}\n",
             3,

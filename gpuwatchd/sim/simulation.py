@@ -52,6 +52,9 @@ from gpuwatchd.sim.world import (
 
 BUSY_POLLS = 50  # polls at one instant before the simulation calls it a busy loop
 MAX_POLLS = 100_000  # interval polls one simulation may take; more is refused up front
+# Polls times processes one simulation may take (each costs some 40 us): a 1 MiB scenario of
+# 35,000 processes would otherwise poll for hours.
+MAX_PROCESS_POLLS = 2_000_000
 SIM_HOSTNAME = "sim-node"  # {hostname} in the hooks of a simulated host
 
 
@@ -84,14 +87,21 @@ def scenario_policy(scenario: Scenario, config_path: str | None) -> tuple[Policy
 
 
 def _check_playable(scenario: Scenario, policy: Policy) -> None:
-    """SimulationError for a scenario that cannot be played under ``policy``: too many polls,
-    or a spare event whose ``for`` the spare command refuses."""
+    """SimulationError for a scenario that cannot be played under ``policy``: too many polls
+    (or processes over them), or a spare event whose ``for`` the spare command refuses."""
     polls = scenario.duration / policy.interval
     if polls > MAX_POLLS:
         raise SimulationError(
             f"{scenario.path}: duration {scenario.duration:g}s at interval {policy.interval:g}s "
             f"is {polls:.0f} polls; at most {MAX_POLLS} are simulated (shorten duration or "
             "lengthen interval)"
+        )
+    procs = len(scenario.processes) + sum(e.process is not None for e in scenario.events)
+    if polls * procs > MAX_PROCESS_POLLS:
+        raise SimulationError(
+            f"{scenario.path}: {procs} processes over {polls:.0f} polls are {polls * procs:,.0f} "
+            f"process-polls; at most {MAX_PROCESS_POLLS:,} are simulated (fewer processes, a "
+            "shorter duration or a longer interval)"
         )
     longest = policy.limits.max_spare
     for event in scenario.events:

@@ -12,8 +12,9 @@ import pytest
 from gpuwatchd.cli.main import main
 from gpuwatchd.sim.scenario import parse_scenario
 from gpuwatchd.sim.scenario_spec import ScenarioError
-from gpuwatchd.sim.simulation import simulate
+from gpuwatchd.sim.simulation import Simulation, scenario_policy, simulate
 from gpuwatchd.sim.timeline import render_text
+from gpuwatchd.sim.world import SimulationError
 from tests.support.simnames import TrainerNames
 
 ORPHANS = """\
@@ -613,3 +614,19 @@ def test_a_process_killed_while_stuck_in_d_state_dies_when_it_leaves_it() -> Non
     assert [s["signal"] for s in worker["signals"]] == ["SIGTERM", "SIGKILL"]
     assert (worker["status"], worker["exited_at"]) == ("exited", 150.0)
     assert r.final["open_findings"] == []
+
+
+def test_a_scenario_of_too_many_processes_over_its_polls_is_refused_up_front() -> None:
+    """Each poll reads every process (some 40 us each): 4,000 processes over an hour at 5s were
+    two minutes of work, and a 1 MiB scenario of 35,000 over 100,000 polls hours, a run that
+    never ends for whoever started it. Refused before the first poll, as too many polls are."""
+    listed = "".join(f"  - {{name: p{i}}}\n" for i in range(3999))
+    started = "events:\n  - {at: 1s, start: {name: s}}\n"
+    text = f"duration: 1h\ngpus: [{{}}]\nprocesses:\n{listed}{started}"
+    parsed = parse_scenario("s.yaml", text)
+    with pytest.raises(SimulationError) as err:
+        Simulation(parsed, scenario_policy(parsed, None)[0])
+    assert str(err.value) == (
+        "s.yaml: 4000 processes over 720 polls are 2,880,000 process-polls; at most 2,000,000 "
+        "are simulated (fewer processes, a shorter duration or a longer interval)"
+    )

@@ -203,9 +203,12 @@ class World:
         live = [c for c in self.contexts if c.pid == proc.pid and c.status == "live"]
         heirs_of = [self._heirs(proc, ctx) for ctx in live]
         reaper = self._reaper(proc)
-        for child in self.procs.values():
+        for child in list(self.procs.values()):
             if child.ppid == proc.pid and child is not proc:
                 child.ppid = reaper
+                if reaper == 1 and not child.alive:  # init reaps an orphaned zombie at once
+                    self.reap(child)
+                    notes.append(f"init reaps its zombie child {child.name} (pid {child.pid})")
         proc.minors, proc.ctl, proc.uvm = frozenset(), False, False
         if proc.spec.on_exit == "zombie":
             proc.state = "Z"

@@ -630,3 +630,23 @@ def test_a_scenario_of_too_many_processes_over_its_polls_is_refused_up_front() -
         "s.yaml: 4000 processes over 720 polls are 2,880,000 process-polls; at most 2,000,000 "
         "are simulated (fewer processes, a shorter duration or a longer interval)"
     )
+
+
+def test_a_zombie_whose_parent_exits_is_reaped_by_init() -> None:
+    """A zombie's parent exits: init inherits it and reaps it at once (NVML then lists a dead
+    PID). The simulated zombie stayed in the process table for good, its finding saying that
+    its parent 1 must reap it, a state no host shows."""
+    text = (
+        "duration: 1m\ngpus: [{}]\nprocesses:\n  - {name: parent}\n"
+        "  - {name: child, ppid: parent, holds: [0], nvml: {0: 4GiB}, on_exit: zombie}\n"
+        "  - {name: grandchild, ppid: child, holds: [0]}\n"
+        "events:\n  - {at: 10s, exit: child}\n  - {at: 20s, exit: parent}\n"
+    )
+    r = simulate(parse_scenario("s.yaml", text))
+    child = next(p for p in r.final["processes"] if p["name"] == "child")  # type: ignore[attr-defined]
+    assert child["status"] == "exited"
+    assert "init reaps its zombie child child (pid 1001)" in r.entries("world.exit")[-1].text
+    assert not any("parent 1 must reap" in e.text for e in r.timeline)
+    kinds = {key.split(":")[0] for key in r.final["open_findings"]}  # type: ignore[attr-defined]
+    assert "dead_process" in kinds
+    assert "zombie" not in kinds

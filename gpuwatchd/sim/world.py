@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from gpuwatchd.collect.cgroups import parse_cgroup
 from gpuwatchd.collect.mig import cap_minor
+from gpuwatchd.core.escape import escape
 from gpuwatchd.core.model import (
     MIB,
     DeviceHolding,
@@ -159,8 +160,8 @@ class World:
     def start(self, spec: ProcessSpec, *, at: float, initial: bool = False) -> WorldProc:
         if (old := self.procs.get(spec.pid)) is not None:
             raise SimulationError(
-                f"{self.scenario.path}:{spec.line}: pid {spec.pid} ({spec.name}) is still in use "
-                f"by {old.name} at +{at:g}s"
+                f"{self.scenario.path}:{spec.line}: pid {spec.pid} ({escape(spec.name)}) is still "
+                f"in use by {escape(old.name)} at +{at:g}s"
             )
         proc = WorldProc(
             spec=spec,

@@ -650,3 +650,14 @@ def test_a_zombie_whose_parent_exits_is_reaped_by_init() -> None:
     kinds = {key.split(":")[0] for key in r.final["open_findings"]}  # type: ignore[attr-defined]
     assert "dead_process" in kinds
     assert "zombie" not in kinds
+
+
+def test_a_pid_still_in_use_is_refused_naming_the_processes_escaped() -> None:
+    """The refusal names both processes as the timeline does: escaped, on one line."""
+    text = (
+        'duration: 1m\ngpus: [{}]\nprocesses:\n  - {name: "a\\nforged", pid: 5000}\n'
+        'events:\n  - {at: 1s, start: {name: "b\\e[2J", pid: 5000}}\n'
+    )
+    with pytest.raises(SimulationError) as err:
+        simulate(parse_scenario("s.yaml", text))
+    assert str(err.value) == "s.yaml:6: pid 5000 (b\\x1b[2J) is still in use by a\\nforged at +1s"

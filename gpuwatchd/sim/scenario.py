@@ -80,6 +80,14 @@ def parse_scenario(path: str, text: str) -> Scenario:
         raise ScenarioError(err.message, path=path, line=err.line, key=err.key) from None
 
 
+def _check_below(node: Node, pid: int, pid_max: int) -> int:
+    """``pid``, refused at ``node`` unless below ``pid_max``, as the kernel gives PIDs (the
+    daemon takes NVML's listing of any other for an invalid PID)."""
+    if pid >= pid_max:
+        raise node.error(f"PID {pid} is not below host.pid_max ({pid_max}); no process has it")
+    return pid
+
+
 def _policy_text(text: str) -> str:
     """The inline ``policy:`` value of a scenario that has one as its own YAML document, on
     the same lines as in the file (so a policy error names the scenario's own line numbers)."""
@@ -188,7 +196,7 @@ class _Reader(GpuReader):
         m = self.mapping(node, _PROCESS_KEYS)
         get = m.entries.get
         name = self.string(m.entries["name"])
-        pid = self.names[name]
+        pid = _check_below(get("pid") or m.entries["name"], self.names[name], self.pid_max)
         ppid = self.ref(n) if (n := get("ppid")) is not None else 1
         pgid = self.ref(n) if (n := get("pgid")) is not None else pid
         sid = self.ref(n) if (n := get("sid")) is not None else pgid

@@ -8,6 +8,7 @@ import re
 from collections.abc import Mapping, Sequence
 
 from gpuwatchd.collect.jobs import scheduler_ended_job
+from gpuwatchd.collect.kernel_log import MAX_PID
 from gpuwatchd.config.keys import BOOL, items_of, kind_of, scalar
 from gpuwatchd.config.units import parse_duration, parse_size
 from gpuwatchd.config.yamlsrc import (
@@ -57,6 +58,7 @@ class ReaderBase:
         self.text = text
         self.names: dict[str, int] = {}
         self.gpus: dict[int, GpuSpec] = {}  # the scenario's GPUs by index, once read
+        self.pid_max = HostSpec.pid_max  # the host's, once read: every PID is below it
 
     def mapping(self, node: Node, keys: Sequence[str]) -> Map:
         if not isinstance(node, Map):
@@ -91,10 +93,15 @@ class ReaderBase:
             raise node.error(err.message) from None
 
     def size(self, node: Node) -> int:
+        """A size in bytes below 2**53, as a size with a unit is (config/units): no GPU has
+        more, and the daemon's sums of NVML's figures are exact only below it."""
         try:
-            return parse_size(scalar(node), where=node.path)
+            size = parse_size(scalar(node), where=node.path)
         except ConfigError as err:
             raise node.error(err.message) from None
+        if size >= 2**53:
+            raise node.error(f"size {shown(scalar(node))} is too large")
+        return size
 
     def choice(self, node: Node, choices: Sequence[str]) -> str:
         value = self.string(node)
@@ -119,12 +126,15 @@ class GpuReader(ReaderBase):
             namespaces = value
         mps = BOOL.read(n) if (n := m.entries.get("mps_server_running")) else False
         pid_max = self.integer(n, 1) if (n := m.entries.get("pid_max")) else spec.pid_max
+        if n is not None and pid_max > MAX_PID:  # a start time sorts by PID (world.py)
+            raise n.error(f"at most {MAX_PID}, the kernel's largest pid_max; got {pid_max}")
         ended: set[str] = set()
         for item in items_of(n) if (n := m.entries.get("ended_jobs")) is not None else []:
             try:
                 ended.add(scheduler_ended_job(self.string(item), {}))
             except ValueError as err:
                 raise item.error(str(err)) from None
+        self.pid_max = pid_max
         return HostSpec(namespaces, mps, pid_max, frozenset(ended))
 
     def know_gpus(self, nodes: Sequence[Node], gpus: Sequence[GpuSpec]) -> None:
@@ -164,6 +174,8 @@ class GpuReader(ReaderBase):
         self.nvml_value(get("uuid") or m, "uuid", uuid)
         name = self.string(n) if (n := get("name")) is not None else "NVIDIA H100 80GB HBM3"
         bus = self.string(n) if (n := get("pci_bus_id")) is not None else _default_bus(index)
+        if n is not None and not isinstance(scalar(n), str):  # YAML 1.1: 17:00.0 is base 60
+            raise n.error(f"YAML read a number ({shown(scalar(n))}): quote a PCI bus id")
         self.nvml_value(get("pci_bus_id") or m, "pci_bus_id", bus)
         minor = self.integer(n) if (n := get("minor")) is not None else index
         memory = {"total": 80 * GIB, "allocated": 4 * MIB, "reserved": 512 * MIB, "leaked": 0}

@@ -21,7 +21,16 @@ from gpuwatchd.config.schema import (
     render_policy,
 )
 from gpuwatchd.config.yamlsrc import ConfigError
-from gpuwatchd.core.model import GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot, Spare
+from gpuwatchd.core.escape import escape
+from gpuwatchd.core.model import (
+    GpuInfo,
+    HolderScan,
+    Pause,
+    ProcessIdentity,
+    ProcessInfo,
+    Snapshot,
+    Spare,
+)
 from gpuwatchd.core.vocabulary import EventName, Level, SignalOutcome, TimelineEvent
 from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.decide.policy import Policy
@@ -43,6 +52,9 @@ from gpuwatchd.sim.world import (
 
 BUSY_POLLS = 50  # polls at one instant before the simulation calls it a busy loop
 MAX_POLLS = 100_000  # interval polls one simulation may take; more is refused up front
+# Polls times processes one simulation may take (each costs some 40 us): a 1 MiB scenario of
+# 35,000 processes would otherwise poll for hours.
+MAX_PROCESS_POLLS = 2_000_000
 SIM_HOSTNAME = "sim-node"  # {hostname} in the hooks of a simulated host
 
 
@@ -75,14 +87,21 @@ def scenario_policy(scenario: Scenario, config_path: str | None) -> tuple[Policy
 
 
 def _check_playable(scenario: Scenario, policy: Policy) -> None:
-    """SimulationError for a scenario that cannot be played under ``policy``: too many polls,
-    or a spare event whose ``for`` the spare command refuses."""
+    """SimulationError for a scenario that cannot be played under ``policy``: too many polls
+    (or processes over them), or a spare event whose ``for`` the spare command refuses."""
     polls = scenario.duration / policy.interval
     if polls > MAX_POLLS:
         raise SimulationError(
             f"{scenario.path}: duration {scenario.duration:g}s at interval {policy.interval:g}s "
             f"is {polls:.0f} polls; at most {MAX_POLLS} are simulated (shorten duration or "
             "lengthen interval)"
+        )
+    procs = len(scenario.processes) + sum(e.process is not None for e in scenario.events)
+    if polls * procs > MAX_PROCESS_POLLS:
+        raise SimulationError(
+            f"{scenario.path}: {procs} processes over {polls:.0f} polls are {polls * procs:,.0f} "
+            f"process-polls; at most {MAX_PROCESS_POLLS:,} are simulated (fewer processes, a "
+            "shorter duration or a longer interval)"
         )
     longest = policy.limits.max_spare
     for event in scenario.events:
@@ -112,6 +131,7 @@ class Simulation:
         self.seq = itertools.count()
         self.during: dict[str, list[EventSpec]] = {}  # reset step -> its events, fired once
         self.spares: dict[str, Spare] = {}  # `spare` events: read by the daemon at each poll
+        self.pause: Pause | None = None  # `pause`/`resume` events: read at the next poll, too
         _check_playable(scenario, self.policy)
         for event in scenario.events:
             if event.during is not None:
@@ -141,7 +161,8 @@ class Simulation:
         self.schedule(self.now + delay, "exit", (proc.name, why, proc.start_ticks))
 
     def add(self, name: str, level: Level, text: str, **fields: object) -> None:
-        self.timeline.append(Entry(self.now, name, level, text, fields))
+        """A timeline entry; its sentence escaped, as the journal's is (the scenario's names)."""
+        self.timeline.append(Entry(self.now, name, level, escape(text), fields))
 
     def happened(self, name: TimelineEvent, text: str, **fields: object) -> None:
         """What the scenario made happen: a ``world.*`` entry, at info."""
@@ -168,7 +189,7 @@ class Simulation:
             self.polls += 1
             wall = WALL0 + self.now  # as the daemon reads the spare files: those in force
             spares = tuple(s for s in self.spares.values() if s.until > wall)
-            until = self.engine.poll(PollInputs(spares=spares)).wake_at
+            until = self.engine.poll(PollInputs(pause=self.pause, spares=spares)).wake_at
             busy = busy + 1 if until <= previous else 0
             if busy >= BUSY_POLLS:
                 self.add(
@@ -241,7 +262,7 @@ class Simulation:
         of these three leaves the others' steps alone)."""
         action = event.action
         if action in ("pause", "resume"):
-            self.engine.set_paused((event.value or "admin") if action == "pause" else None)
+            self.pause = Pause((event.value or "admin") if action == "pause" else None)
         elif action == "spare" and (spare := self.world.spare(event, WALL0 + self.now)) is not None:
             self.spares[spare.target] = spare
         self._apply_to_process(event)
@@ -270,6 +291,8 @@ class Simulation:
                 self.happened(
                     TimelineEvent.STATE, said, process=proc.name, pid=proc.pid, state=event.value
                 )
+                if event.value != "D" and any(s == "SIGKILL" for _, s, _ in proc.signals):
+                    self.exit_later(proc, 0, "killed by SIGKILL, pending while in D state")
         elif action == "reap" and event.target is not None:
             proc = world.by_name(event.target)
             if proc is not None and proc.present and not proc.alive:

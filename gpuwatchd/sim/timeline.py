@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gpuwatchd.core.checked import as_number
+from gpuwatchd.core.escape import escape
 from gpuwatchd.core.model import MIB
 from gpuwatchd.core.vocabulary import EventName, Level
 from gpuwatchd.decide.policy import Policy
@@ -201,7 +202,7 @@ def render_text(result: SimulationResult) -> str:
     )
     found = [words.finding_label(k, names) for k in final["open_findings"]]  # type: ignore[attr-defined]
     lines.append("  open findings: " + (", ".join(found) or "none"))
-    return "\n".join(lines) + "\n"
+    return "\n".join(escape(line) for line in lines) + "\n"  # the scenario's names and words
 
 
 def _jsonable(value: object) -> object:

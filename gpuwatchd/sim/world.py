@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from gpuwatchd.collect.cgroups import parse_cgroup
 from gpuwatchd.collect.mig import cap_minor
+from gpuwatchd.core.escape import escape
 from gpuwatchd.core.model import (
     MIB,
     DeviceHolding,
@@ -159,8 +160,8 @@ class World:
     def start(self, spec: ProcessSpec, *, at: float, initial: bool = False) -> WorldProc:
         if (old := self.procs.get(spec.pid)) is not None:
             raise SimulationError(
-                f"{self.scenario.path}:{spec.line}: pid {spec.pid} ({spec.name}) is still in use "
-                f"by {old.name} at +{at:g}s"
+                f"{self.scenario.path}:{spec.line}: pid {spec.pid} ({escape(spec.name)}) is still "
+                f"in use by {escape(old.name)} at +{at:g}s"
             )
         proc = WorldProc(
             spec=spec,
@@ -203,9 +204,12 @@ class World:
         live = [c for c in self.contexts if c.pid == proc.pid and c.status == "live"]
         heirs_of = [self._heirs(proc, ctx) for ctx in live]
         reaper = self._reaper(proc)
-        for child in self.procs.values():
+        for child in list(self.procs.values()):
             if child.ppid == proc.pid and child is not proc:
                 child.ppid = reaper
+                if reaper == 1 and not child.alive:  # init reaps an orphaned zombie at once
+                    self.reap(child)
+                    notes.append(f"init reaps its zombie child {child.name} (pid {child.pid})")
         proc.minors, proc.ctl, proc.uvm = frozenset(), False, False
         if proc.spec.on_exit == "zombie":
             proc.state = "Z"

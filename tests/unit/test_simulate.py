@@ -12,8 +12,9 @@ import pytest
 from gpuwatchd.cli.main import main
 from gpuwatchd.sim.scenario import parse_scenario
 from gpuwatchd.sim.scenario_spec import ScenarioError
-from gpuwatchd.sim.simulation import simulate
+from gpuwatchd.sim.simulation import Simulation, scenario_policy, simulate
 from gpuwatchd.sim.timeline import render_text
+from gpuwatchd.sim.world import SimulationError
 from tests.support.simnames import TrainerNames
 
 ORPHANS = """\
@@ -102,6 +103,42 @@ def scenario(dry: str = "false", sigterm: str = "exit") -> str:
             "a process name cannot be empty",
         ),
         ("duration: [1m\n", 2, None, "YAML syntax"),
+        (  # no kernel gives it: the daemon took NVML's listing of it for an invalid PID
+            "duration: 1m\ngpus: [{index: 0}]\nprocesses:\n  - {name: a, pid: 4194304}\n",
+            4,
+            "processes[0].pid",
+            "PID 4194304 is not below host.pid_max (4194304)",
+        ),
+        (
+            "duration: 1m\nhost: {pid_max: 1000}\ngpus: [{index: 0}]\nprocesses: [{name: a}]\n",
+            4,
+            "processes[0].name",
+            "PID 1000 is not below host.pid_max (1000)",
+        ),
+        (  # as docs/simulate.md wrote it: YAML 1.1 reads it as a sexagesimal 1020.0
+            "duration: 1m\ngpus:\n  - pci_bus_id: 00000000:17:00.0\n",
+            3,
+            "gpus[0].pci_bus_id",
+            "YAML read a number (1020.0): quote a PCI bus id",
+        ),
+        (  # a bare integer past 2**53 bytes: the assessment's float sums no longer add up
+            "duration: 1m\ngpus:\n  - memory: {total: 100000000000000000000000000000}\n",
+            3,
+            "gpus[0].memory.total",
+            "size 100000000000000000000000000000 is too large",
+        ),
+        (
+            "duration: 1m\ngpus: [{}]\nprocesses:\n  - {name: a, nvml: {0: 9007199254740992}}\n",
+            4,
+            "processes[0].nvml.0",
+            "size 9007199254740992 is too large",
+        ),
+        (  # no kernel allows it: a listed PID of 10**7 sorted after an epilog's hand-over
+            "duration: 1m\nhost:\n  pid_max: 100000000\ngpus: [{index: 0}]\n",
+            3,
+            "host.pid_max",
+            "at most 4194304, the kernel's largest pid_max",
+        ),
     ],
 )
 def test_malformed_scenario_names_line_and_field(
@@ -526,3 +563,101 @@ def test_a_scenario_interval_is_bounded_as_the_policys(interval: str) -> None:
         parse_scenario("s.yaml", f"duration: 1m\ninterval: {interval}\ngpus: [{{}}]\n")
     assert (err.value.line, err.value.key) == (2, "interval")
     assert err.value.message.startswith("must be >= 100ms and <= 1h, got")
+
+
+def test_a_scenario_s_names_and_commands_are_shown_escaped_one_line_each() -> None:
+    """docs/threat-model.md: simulate's terminal output shows every control character as a
+    visible escape. A process named with a line break or an ANSI escape (a double-quoted YAML
+    escape) forged timeline lines and painted the terminal, in the text and in the JSON's
+    sentences alike."""
+    text = (
+        'duration: 1m\ndescription: "a \\e[2J scenario"\ngpus: [{index: 0}]\nprocesses:\n'
+        '  - {name: "t\\e[31m", holds: [0], nvml: {0: 1GiB}}\n'
+        '  - {name: "w\\nforged", ppid: "t\\e[31m", holds: [0]}\n'
+        'events:\n  - {at: 1s, exit: "t\\e[31m"}\n'
+        '  - {at: 2s, start: {name: s, command: ["sh", "-c", "x\\ny"]}}\n'
+    )
+    result = simulate(parse_scenario("s.yaml", text))
+    lines = render_text(result).splitlines()
+    assert all(line.isprintable() for line in lines)
+    assert not any(line.startswith("forged") or line == "y" for line in lines)
+    assert "w\\nforged" in render_text(result)
+    assert "t\\x1b[31m" in render_text(result)
+    assert all(entry.text.isprintable() for entry in result.timeline)
+
+
+def test_a_pause_is_read_at_the_daemons_next_poll_not_in_the_middle_of_a_reset() -> None:
+    """The daemon reads the pause file when a poll starts: a ``gpuwatchd pause`` between two
+    polls, or while a reset runs, holds nothing before the next poll. The simulation paused
+    the engine at the event itself, so a pause during a reset's drain step withheld that
+    reset's on_failure hooks, which the daemon runs, and said the pause seconds early."""
+    text = (
+        "duration: 3m\npolicy:\n  dry_run: false\n  reset: {confirm_for: 1m, cooldown: 1h}\n"
+        "  on_failure:\n    - command: [logger, reset failed]\n"
+        "gpus: [{index: 0, memory: {leaked: 10GiB}}]\n"
+        "events:\n  - {at: 0s, reset_result: fail}\n  - {during: drain, pause: maintenance}\n"
+        "  - {at: 97s, resume: null}\n"
+    )
+    r = simulate(parse_scenario("s.yaml", text))
+    assert r.final["hooks_run"] == 1  # on_failure, run as the daemon would
+    assert [e.t for e in r.entries("daemon.paused")] == [65.0]  # the poll after the reset
+    assert [e.t for e in r.entries("daemon.resumed")] == [100.0]
+
+
+def test_a_process_killed_while_stuck_in_d_state_dies_when_it_leaves_it() -> None:
+    """SIGKILL stays pending while a process sleeps uninterruptibly; it dies as soon as the
+    driver lets it go. The simulated worker lived on, SIGKILLed and in state S, its memory
+    pinned and its finding open, where the daemon would have seen it exit."""
+    text = scenario(sigterm="ignore").replace("via: map}", "via: map}\n    on_sigkill: stuck")
+    r = simulate(parse_scenario("s.yaml", text + "  - {at: 150s, state: {worker: S}}\n"))
+    worker = next(p for p in r.final["processes"] if p["name"] == "worker")  # type: ignore[attr-defined]
+    assert [s["signal"] for s in worker["signals"]] == ["SIGTERM", "SIGKILL"]
+    assert (worker["status"], worker["exited_at"]) == ("exited", 150.0)
+    assert r.final["open_findings"] == []
+
+
+def test_a_scenario_of_too_many_processes_over_its_polls_is_refused_up_front() -> None:
+    """Each poll reads every process (some 40 us each): 4,000 processes over an hour at 5s were
+    two minutes of work, and a 1 MiB scenario of 35,000 over 100,000 polls hours, a run that
+    never ends for whoever started it. Refused before the first poll, as too many polls are."""
+    listed = "".join(f"  - {{name: p{i}}}\n" for i in range(3999))
+    started = "events:\n  - {at: 1s, start: {name: s}}\n"
+    text = f"duration: 1h\ngpus: [{{}}]\nprocesses:\n{listed}{started}"
+    parsed = parse_scenario("s.yaml", text)
+    with pytest.raises(SimulationError) as err:
+        Simulation(parsed, scenario_policy(parsed, None)[0])
+    assert str(err.value) == (
+        "s.yaml: 4000 processes over 720 polls are 2,880,000 process-polls; at most 2,000,000 "
+        "are simulated (fewer processes, a shorter duration or a longer interval)"
+    )
+
+
+def test_a_zombie_whose_parent_exits_is_reaped_by_init() -> None:
+    """A zombie's parent exits: init inherits it and reaps it at once (NVML then lists a dead
+    PID). The simulated zombie stayed in the process table for good, its finding saying that
+    its parent 1 must reap it, a state no host shows."""
+    text = (
+        "duration: 1m\ngpus: [{}]\nprocesses:\n  - {name: parent}\n"
+        "  - {name: child, ppid: parent, holds: [0], nvml: {0: 4GiB}, on_exit: zombie}\n"
+        "  - {name: grandchild, ppid: child, holds: [0]}\n"
+        "events:\n  - {at: 10s, exit: child}\n  - {at: 20s, exit: parent}\n"
+    )
+    r = simulate(parse_scenario("s.yaml", text))
+    child = next(p for p in r.final["processes"] if p["name"] == "child")  # type: ignore[attr-defined]
+    assert child["status"] == "exited"
+    assert "init reaps its zombie child child (pid 1001)" in r.entries("world.exit")[-1].text
+    assert not any("parent 1 must reap" in e.text for e in r.timeline)
+    kinds = {key.split(":")[0] for key in r.final["open_findings"]}  # type: ignore[attr-defined]
+    assert "dead_process" in kinds
+    assert "zombie" not in kinds
+
+
+def test_a_pid_still_in_use_is_refused_naming_the_processes_escaped() -> None:
+    """The refusal names both processes as the timeline does: escaped, on one line."""
+    text = (
+        'duration: 1m\ngpus: [{}]\nprocesses:\n  - {name: "a\\nforged", pid: 5000}\n'
+        'events:\n  - {at: 1s, start: {name: "b\\e[2J", pid: 5000}}\n'
+    )
+    with pytest.raises(SimulationError) as err:
+        simulate(parse_scenario("s.yaml", text))
+    assert str(err.value) == "s.yaml:6: pid 5000 (b\\x1b[2J) is still in use by a\\nforged at +1s"

@@ -312,8 +312,9 @@ class ProcFS:
         """Whether the program ``pid`` runs is one only root can have put where it is: the
         running file (``/proc/PID/exe`` followed) and its directory in the process's own root
         are root's and writable by neither group nor others. False when deleted; None when
-        unreadable (gone, or no privilege). Their attributes are the kernel's (stat_cached:
-        a user's FUSE server that never answers stalls no scan)."""
+        unreadable (gone, or no privilege); :meth:`read_process` asks only for a process that
+        claims an infrastructure name, the others keep None (not asked). Their attributes are
+        the kernel's (stat_cached: a user's FUSE server that never answers stalls no scan)."""
         if exe is None:
             return None
         if exe.endswith(" (deleted)") or not exe.startswith("/"):

@@ -482,6 +482,39 @@ def test_undrain_without_slurm_does_nothing(tmp_path: Path) -> None:
     assert not (tmp_path / "state").exists()
 
 
+def test_undrain_lifts_nothing_an_admin_drained_over_ours_during_the_check(tmp_path: Path) -> None:
+    """The check before a resume takes a while (a walk of /proc): an admin who drains the node
+    with a reason of their own meanwhile keeps the drain; only a drain still ours is lifted."""
+    for name, text in (("node.state", "IDLE+DRAIN"), ("node.reason", "gpuwatchd: GPU-x orphaned")):
+        (tmp_path / name).write_text(text)
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(FAKE_SCONTROL)
+    scontrol.chmod(0o755)
+    gpuwatchd = tmp_path / "gpuwatchd"  # clean, and the admin's drain lands during the check
+    gpuwatchd.write_text(f"#!/bin/sh\nprintf 'admin: fan' > {tmp_path / 'node.reason'}\n")
+    gpuwatchd.chmod(0o755)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "GPUWATCHD": str(gpuwatchd),
+        "GPUWATCHD_SCONTROL": str(scontrol),
+        "GPUWATCHD_SLURM_NODE": NODE,
+        "GPUWATCHD_SLURM_STATE": str(tmp_path / "state"),
+        "GPUWATCHD_SLURM_DEFAULTS": str(tmp_path / "no-defaults"),
+    }
+    proc = subprocess.run(
+        [str(SLURM / "gpuwatchd-slurm"), "undrain"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "node.state").read_text() == "IDLE+DRAIN"
+    assert (tmp_path / "node.reason").read_text() == "admin: fan"
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert all(c.split("\x1f")[0] == "show" for c in calls), calls
+
+
 def test_settings_come_from_the_defaults_file_when_slurmd_passes_none(tmp_path: Path) -> None:
     """slurmd runs the scripts with an environment of its own: the settings are read from
     /etc/default/gpuwatchd-slurm (here GPUWATCHD_SLURM_DEFAULTS) — read, never run; unknown

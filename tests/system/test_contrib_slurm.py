@@ -515,6 +515,39 @@ def test_undrain_lifts_nothing_an_admin_drained_over_ours_during_the_check(tmp_p
     assert all(c.split("\x1f")[0] == "show" for c in calls), calls
 
 
+def test_a_node_an_admin_set_down_keeps_its_reason_and_stays_down(tmp_path: Path) -> None:
+    """Setting a node DOWN kills its jobs, and their epilogs run: a dirty GPU found then must
+    not put our drain (and reason) over the admin's, which the timer would later resume."""
+    for name, text in (("node.state", "DOWN"), ("node.reason", "admin: bad PSU")):
+        (tmp_path / name).write_text(text)
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(FAKE_SCONTROL)
+    scontrol.chmod(0o755)
+    gpuwatchd = tmp_path / "gpuwatchd"  # the job's GPU is dirty
+    gpuwatchd.write_text("#!/bin/sh\necho 'GPU 0 GPU-x: orphaned pid 4242'\nexit 1\n")
+    gpuwatchd.chmod(0o755)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "GPUWATCHD": str(gpuwatchd),
+        "GPUWATCHD_SCONTROL": str(scontrol),
+        "GPUWATCHD_SLURM_NODE": NODE,
+        "GPUWATCHD_SLURM_STATE": str(tmp_path / "state"),
+        "GPUWATCHD_SLURM_DEFAULTS": str(tmp_path / "no-defaults"),
+        "GPUWATCHD_SLURM_DRAIN": "yes",
+        "SLURM_JOB_GPUS": "0",
+    }
+    proc = subprocess.run(
+        [str(SLURM / "gpuwatchd-prolog")], env=env, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "admin: bad PSU" in proc.stderr
+    assert (tmp_path / "node.state").read_text() == "DOWN"
+    assert (tmp_path / "node.reason").read_text() == "admin: bad PSU"
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert all(c.split("\x1f")[0] == "show" for c in calls), calls
+    assert not (tmp_path / "state" / f"drained.{NODE}").exists()
+
+
 def test_settings_come_from_the_defaults_file_when_slurmd_passes_none(tmp_path: Path) -> None:
     """slurmd runs the scripts with an environment of its own: the settings are read from
     /etc/default/gpuwatchd-slurm (here GPUWATCHD_SLURM_DEFAULTS) — read, never run; unknown

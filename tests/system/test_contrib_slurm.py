@@ -515,6 +515,44 @@ def test_undrain_lifts_nothing_an_admin_drained_over_ours_during_the_check(tmp_p
     assert all(c.split("\x1f")[0] == "show" for c in calls), calls
 
 
+def test_undrain_lifts_no_drain_another_script_asked_for_during_the_check(tmp_path: Path) -> None:
+    """A prolog's (or the timer's) check found every GPU clean; meanwhile another job's epilog
+    found a GPU dirty and drained the node again, ours too: that new drain stays."""
+    for name, text in (("node.state", "IDLE+DRAIN"), ("node.reason", "gpuwatchd: GPU-x orphaned")):
+        (tmp_path / name).write_text(text)
+    (tmp_path / "state").mkdir(mode=0o700)
+    record = tmp_path / "state" / f"drained.{NODE}"
+    record.write_text("at=1000\nreason=gpuwatchd: GPU-x orphaned\n")
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(FAKE_SCONTROL)
+    scontrol.chmod(0o755)
+    gpuwatchd = tmp_path / "gpuwatchd"  # clean; the other epilog drains during the check
+    gpuwatchd.write_text(
+        f"#!/bin/sh\nprintf 'at=2000\\nreason=gpuwatchd: GPU-y orphaned\\n' > {record}\n"
+        f"printf 'gpuwatchd: GPU-y orphaned' > {tmp_path / 'node.reason'}\n"
+    )
+    gpuwatchd.chmod(0o755)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "GPUWATCHD": str(gpuwatchd),
+        "GPUWATCHD_SCONTROL": str(scontrol),
+        "GPUWATCHD_SLURM_NODE": NODE,
+        "GPUWATCHD_SLURM_STATE": str(tmp_path / "state"),
+        "GPUWATCHD_SLURM_DEFAULTS": str(tmp_path / "no-defaults"),
+    }
+    proc = subprocess.run(
+        [str(SLURM / "gpuwatchd-slurm"), "undrain"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "node.state").read_text() == "IDLE+DRAIN"
+    assert (tmp_path / "node.reason").read_text() == "gpuwatchd: GPU-y orphaned"
+    assert record.read_text() == "at=2000\nreason=gpuwatchd: GPU-y orphaned\n"
+
+
 def test_a_node_an_admin_set_down_keeps_its_reason_and_stays_down(tmp_path: Path) -> None:
     """Setting a node DOWN kills its jobs, and their epilogs run: a dirty GPU found then must
     not put our drain (and reason) over the admin's, which the timer would later resume."""

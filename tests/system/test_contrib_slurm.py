@@ -515,6 +515,44 @@ def test_undrain_lifts_nothing_an_admin_drained_over_ours_during_the_check(tmp_p
     assert all(c.split("\x1f")[0] == "show" for c in calls), calls
 
 
+def test_a_check_that_cannot_tell_drains_naming_why_not_a_clean_gpus_blocker(
+    tmp_path: Path,
+) -> None:
+    """check-clean says on stderr, first, what would block a clean GPU's reset (a user's
+    process and its name); the drain reason is why the check could not tell (here 75)."""
+    (tmp_path / "node.state").write_text("IDLE")
+    (tmp_path / "node.reason").write_text("")
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(FAKE_SCONTROL)
+    scontrol.chmod(0o755)
+    gpuwatchd = tmp_path / "gpuwatchd"
+    gpuwatchd.write_text(
+        "#!/bin/sh\n"
+        "echo 'gpuwatchd: GPU 0 GPU-x: clean; would block a reset: pid 4242 (a user name)' >&2\n"
+        "echo 'gpuwatchd: cannot tell whether the GPUs are clean: state.json unread' >&2\n"
+        "exit 75\n"
+    )
+    gpuwatchd.chmod(0o755)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "GPUWATCHD": str(gpuwatchd),
+        "GPUWATCHD_SCONTROL": str(scontrol),
+        "GPUWATCHD_SLURM_NODE": NODE,
+        "GPUWATCHD_SLURM_STATE": str(tmp_path / "state"),
+        "GPUWATCHD_SLURM_DEFAULTS": str(tmp_path / "no-defaults"),
+        "GPUWATCHD_SLURM_DRAIN": "yes",
+        "SLURM_JOB_GPUS": "0",
+    }
+    proc = subprocess.run(
+        [str(SLURM / "gpuwatchd-prolog")], env=env, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert (tmp_path / "node.reason").read_text() == (
+        "gpuwatchd: cannot check the GPUs (check-clean exit 75: "
+        "gpuwatchd: cannot tell whether the GPUs are clean: state.json unread)"
+    )
+
+
 def test_undrain_lifts_no_drain_another_script_asked_for_during_the_check(tmp_path: Path) -> None:
     """A prolog's (or the timer's) check found every GPU clean; meanwhile another job's epilog
     found a GPU dirty and drained the node again, ours too: that new drain stays."""

@@ -214,7 +214,7 @@ def hand_over_ended_jobs(
 ) -> None:
     """Tell the daemon (and every scan) that ``jobs`` (at most :data:`MAX_ENDED_JOBS`) ended,
     while ``waiter`` (the epilog's PID and start ticks) waits, never past wall time ``until``;
-    ``said_at``: when, in clock ticks of boot ``boot_id``."""
+    ``said_at``: when, in clock ticks of boot ``boot_id``. One file per job and waiter."""
     chosen = sorted(set(jobs))
     if len(chosen) > MAX_ENDED_JOBS:
         raise ValueError(f"at most {MAX_ENDED_JOBS} jobs are handed over at once")
@@ -227,20 +227,21 @@ def hand_over_ended_jobs(
             "said_at_ticks": said_at,
             "boot_id": boot_id,
         }
-        state_dir.write(hashed_name(ENDED_JOB_PREFIX, job), ENDED_JOB.encode(body))
+        state_dir.write(_hand_over_name(job, waiter), ENDED_JOB.encode(body))
 
 
 def withdraw_ended_jobs(
     state_dir: StateDir, jobs: Iterable[str], *, waiter: tuple[int, int]
 ) -> None:
-    """The epilog's wait is over: remove its hand-overs (those that still name ``waiter``; a
-    later epilog's hand-over of the same job is its own)."""
+    """The epilog's wait is over: remove its hand-overs (another epilog's of the same job, a
+    requeued run's beside the first's, is a file of its own, still honoured)."""
     for job in sorted(set(jobs))[:MAX_ENDED_JOBS]:
-        name = hashed_name(ENDED_JOB_PREFIX, job)
-        with contextlib.suppress(OSError, ValueError):  # unreadable or not ours: left alone
-            data = ENDED_JOB.load(state_dir.read(name, MAX_ENDED_JOB_FILE))
-            if _waiter(data.get("waiter")) == waiter:
-                state_dir.remove(name)
+        with contextlib.suppress(OSError):
+            state_dir.remove(_hand_over_name(job, waiter))
+
+
+def _hand_over_name(job: str, waiter: tuple[int, int]) -> str:
+    return hashed_name(ENDED_JOB_PREFIX, f"{job} {waiter[0]} {waiter[1]}")
 
 
 def _waiter(raw: object) -> tuple[int, int]:
@@ -269,7 +270,7 @@ def _expiry(value: object, key: str) -> float:
     return found
 
 
-# The waiter is checked last, after what the file name and the clock say (read_ended_jobs).
+# The waiter is read after the job and the expiry (read_ended_jobs): the file name covers it.
 ENDED_JOB = Format(
     ENDED_JOB_PREFIX, MAX_ENDED_JOB_FILE, newline=True, fields={"job": _job_key, "until": _expiry}
 )
@@ -311,7 +312,7 @@ def read_ended_jobs(
     except OSError:
         return HandOvers({}, (), 0)
     examined = names[: 4 * MAX_ENDED_JOBS]
-    valid: list[tuple[str, int | None]] = []
+    valid: dict[str, int | None] = {}
     problems: list[str] = []
     for name in examined:
         try:
@@ -319,20 +320,22 @@ def read_ended_jobs(
             job, until = data["job"], data["until"]
             if until > now + MAX_HAND_OVER:
                 raise ValueError("expiry more than a day ahead")
-            if name != hashed_name(ENDED_JOB_PREFIX, job):
-                raise ValueError("file name does not match the job")
             waiter = _waiter(data.get("waiter"))
+            # An older version's run --once (still waiting through an upgrade) names the job only.
+            if name not in (_hand_over_name(job, waiter), hashed_name(ENDED_JOB_PREFIX, job)):
+                raise ValueError("file name does not match the job")
         except FileNotFoundError:
             continue  # removed since the listing
         except (OSError, ValueError) as err:
             problems.append(f"{name}: {err}")
         else:
             waits = until >= now and waiting(*waiter)
-            if waits:
-                valid.append((job, _said_at(data, boot_id)))
+            if waits:  # two epilogs of one job: the later word (it covers more processes)
+                said = _said_at(data, boot_id)
+                valid[job] = max(said, valid.get(job, said), key=lambda t: -1 if t is None else t)
             if waits is not False:
                 continue
         if remove_stale:
             state_dir.remove(name)
     over = max(0, len(valid) - MAX_ENDED_JOBS) + (len(names) - len(examined))
-    return HandOvers(dict(valid[:MAX_ENDED_JOBS]), tuple(problems), over)
+    return HandOvers(dict(list(valid.items())[:MAX_ENDED_JOBS]), tuple(problems), over)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import time
@@ -108,7 +109,10 @@ def test_two_epilogs_never_overwrite_each_other_and_a_second_hand_over_extends(
         (b'{"job": "slurm:7", "until": NaN}', "no expiry"),
         (b'{"job": "slurm:7", "until": -Infinity}', "no expiry"),
         (json.dumps({"job": "slurm:7", "until": NOW + 7 * 86400}).encode(), "a day ahead"),
-        (json.dumps({"job": "slurm:8", "until": NOW + 5}).encode(), "does not match"),
+        (
+            json.dumps({"job": "slurm:8", "until": NOW + 5, "waiter": list(EPILOG)}).encode(),
+            "does not match",
+        ),
         (json.dumps({"job": "slurm:7", "until": NOW + 5}).encode(), "no waiting process"),
         (
             json.dumps({"job": "slurm:7", "until": NOW + 5, "waiter": [0, 1]}).encode(),
@@ -244,6 +248,28 @@ def test_the_epilog_withdraws_its_own_hand_over_and_only_its_own(
     assert len(files(tmp_path)) == 1
     found = read_ended_jobs(state, NOW, waiting=lambda p, t: (p, t) == LATER)
     assert found == HandOvers({"slurm:43": None}, (), 0)
+
+
+def test_two_epilogs_of_one_job_keep_their_own_hand_overs_and_the_later_word_covers_more(
+    tmp_path: Path, state: StateDir
+) -> None:
+    """The same job key twice (a requeued run's epilog beside the first's, or an admin's run
+    --once): neither overwrites nor withdraws the other's; an older version's file (the job's
+    name only) still counts while its epilog waits."""
+    both = {EPILOG, LATER}
+    hand_over(state, ["slurm:43"], NOW + 600, said_at=5_000, boot_id="b1")
+    hand_over(state, ["slurm:43"], NOW + 600, waiter=LATER, said_at=6_000, boot_id="b1")
+    found = read_ended_jobs(state, NOW, waiting=lambda p, t: (p, t) in both, boot_id="b1")
+    assert found == HandOvers({"slurm:43": 6_000}, (), 0)
+    withdraw_ended_jobs(state, ["slurm:43"], waiter=LATER)  # the later epilog is done first
+    found = read_ended_jobs(state, NOW, waiting=waiting, remove_stale=True, boot_id="b1")
+    assert found == HandOvers({"slurm:43": 5_000}, (), 0)
+    withdraw_ended_jobs(state, ["slurm:43"], waiter=EPILOG)
+    assert files(tmp_path) == []
+    old = ENDED_JOB_PREFIX + hashlib.sha256(b"slurm:44").hexdigest()[:32]
+    body = {"job": "slurm:44", "until": NOW + 600, "waiter": list(EPILOG)}
+    (tmp_path / old).write_text(json.dumps(body) + "\n")
+    assert read(state, NOW, remove_stale=True).jobs == {"slurm:44": None}
 
 
 def test_a_waiting_epilogs_word_still_covers_only_processes_older_than_it(

@@ -156,6 +156,14 @@ def test_systemd_analyze_security_exposure_at_most_2_5() -> None:
     assert float(match.group(1)) <= MAX_EXPOSURE, proc.stdout
 
 
+def test_the_undrain_unit_takes_its_settings_only_as_the_script_reads_them() -> None:
+    """gpuwatchd-slurm reads /etc/default/gpuwatchd-slurm itself (its own names only, never
+    run), as the prolog and epilog do: an EnvironmentFile= would hand the timer's run every
+    line of it (PATH=, LD_PRELOAD=, GPUWATCHD_SLURM_DEFAULTS=), which the scripts ignore."""
+    text = (REPO / "systemd" / "gpuwatchd-slurm-undrain.service").read_text()
+    assert not re.search(r"^\s*EnvironmentFile\s*=", text, re.MULTILINE)
+
+
 def test_debian_install_files_name_files_that_exist() -> None:
     listed: list[str] = []
     for name in ("gpuwatchd.install", "gpuwatchd.manpages", "gpuwatchd.docs", "gpuwatchd.examples"):

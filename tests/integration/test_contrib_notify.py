@@ -8,14 +8,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import textwrap
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
+import yaml
+
+from gpuwatchd.config.units import parse_duration
+from gpuwatchd.decide.argv import HOOK_PLACEHOLDERS, check_command
 
 CONTRIB = Path(__file__).resolve().parents[2] / "contrib" / "notify"
 WEBHOOK = CONTRIB / "gpuwatchd-webhook"
@@ -219,3 +225,55 @@ def test_the_webhook_text_mentions_no_one_and_disguises_no_link(server: _Server)
     assert "\n" not in reason
     assert "\x1b" not in reason
     assert len(reason) <= 600
+
+
+# --- the on_action examples that run the helpers --------------------------------------------
+
+DOCS = CONTRIB.parents[1] / "docs"
+
+
+def _helper_examples() -> list[tuple[str, list[str], float]]:
+    """(where, argv, timeout in seconds) of every documented on_action hook that runs a helper:
+    the YAML blocks of docs/policy.md and docs/operations.md, and each helper's own header."""
+    blocks = [
+        (doc.name, block)
+        for doc in (DOCS / "policy.md", DOCS / "operations.md")
+        for block in re.findall(r"```yaml\n(.*?)```", doc.read_text(), re.S)
+    ]
+    for helper in (WEBHOOK, TELL_OWNER):
+        header = re.search(r"\n([# ]*)on_action:\n(.*?)\n[# ]*\n", helper.read_text(), re.S)
+        assert header is not None, helper.name
+        lines = [line[len(header[1]) :] for line in header[2].splitlines()]
+        blocks.append((helper.name, "\n".join(["on_action:", *lines])))
+    found = []
+    for where, block in blocks:
+        for hook in yaml.safe_load(textwrap.dedent(block)).get("on_action") or []:
+            argv = hook["command"] if isinstance(hook, dict) else hook
+            timeout = (
+                parse_duration(hook.get("timeout", "1m"), where="timeout")
+                if isinstance(hook, dict)
+                else 60
+            )
+            if any(arg.startswith("/") and "gpuwatchd-" in arg for arg in argv):
+                found.append((where, [str(arg) for arg in argv], timeout))
+    return found
+
+
+def test_the_docs_show_each_helper_run_with_what_it_reads() -> None:
+    """Each documented hook that runs a helper is a valid hook, names the helper where the docs
+    say to copy it, waits for it (so its failure shows in hook.run) and passes through
+    systemd-run every GPUWATCHD_* variable the helper reads: systemd-run passes none unasked."""
+    examples = _helper_examples()
+    assert {where for where, _, _ in examples} == {
+        "policy.md", "operations.md", WEBHOOK.name, TELL_OWNER.name
+    }  # fmt: skip
+    for where, argv, _ in examples:
+        check_command(argv, HOOK_PLACEHOLDERS)
+        helper = next(Path(arg) for arg in argv if "gpuwatchd-" in arg)
+        assert helper.parent == Path("/usr/local/sbin"), (where, argv)
+        reads = set(
+            re.findall(r'(?:get\("|\$\{)(GPUWATCHD_[A-Z_]+)', (CONTRIB / helper.name).read_text())
+        )
+        passed = {argv[i + 1] for i, arg in enumerate(argv) if arg == "-E"}
+        assert argv[:2] == ["systemd-run", "--wait"], (where, argv)
+        assert reads - {"GPUWATCHD_WEBHOOK_URL", "GPUWATCHD_HOSTNAME"} <= passed, (where, argv)

@@ -277,3 +277,17 @@ def test_the_docs_show_each_helper_run_with_what_it_reads() -> None:
         passed = {argv[i + 1] for i, arg in enumerate(argv) if arg == "-E"}
         assert argv[:2] == ["systemd-run", "--wait"], (where, argv)
         assert reads - {"GPUWATCHD_WEBHOOK_URL", "GPUWATCHD_HOSTNAME"} <= passed, (where, argv)
+
+
+def test_the_docs_end_each_helpers_transient_unit_before_the_hook_timeout() -> None:
+    """The daemon kills a hook at its timeout by its process tree, which a transient unit of
+    systemd-run is not part of: only the unit's own RuntimeMaxSec= ends a helper that hangs."""
+    for where, argv, timeout in _helper_examples():
+        props = [argv[i + 1] for i, arg in enumerate(argv) if arg in ("-p", "--property")]
+        limits = [
+            parse_duration(prop.split("=", 1)[1], where=prop)
+            for prop in props
+            if prop.startswith("RuntimeMaxSec=")
+        ]
+        assert len(limits) == 1, (where, argv)
+        assert limits[0] < timeout, (where, argv)

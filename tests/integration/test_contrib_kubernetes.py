@@ -504,6 +504,27 @@ def test_npd_says_unknown_without_a_metrics_file_or_with_a_stale_one(tmp_path: P
     assert garbled.stdout.startswith("gpuwatchd metrics unreadable")
 
 
+@pytest.mark.parametrize(
+    ("setting", "text"),
+    [
+        ({"GPUWATCHD_NPD_MAX_AGE": "5m"}, ""),
+        ({"GPUWATCHD_NPD_MAX_OUTPUT": "eighty"}, ""),
+        ({}, 'gpuwatchd_gpu_clean{, ="c"}} 1\n'),  # the parser's IndexError, not a ValueError
+    ],
+)
+def test_npd_says_unknown_when_it_fails_never_a_problem(
+    tmp_path: Path, setting: dict[str, str], text: str
+) -> None:
+    """An uncaught exception exits 1, which NPD takes for the problem (the node cordoned): a
+    setting written as a duration, or a file the parser stumbles on, is unknown (2)."""
+    now = time.time()
+    body = text or f"gpuwatchd_last_successful_poll_timestamp_seconds {now}\n"
+    proc = _npd({**_metrics_file(tmp_path / "m.prom", body), **setting})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout.startswith("gpuwatchd-npd failed: ")
+    assert "\n" not in proc.stdout.rstrip("\n")
+
+
 def test_npd_message_fits_the_limit(tmp_path: Path) -> None:
     now = time.time()
     uuid = "GPU-" + "f" * 120

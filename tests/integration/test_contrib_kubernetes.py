@@ -504,6 +504,20 @@ def test_npd_says_unknown_without_a_metrics_file_or_with_a_stale_one(tmp_path: P
     assert garbled.stdout.startswith("gpuwatchd metrics unreadable")
 
 
+@pytest.mark.parametrize("ahead", [3600.0, float("inf"), float("nan")])
+def test_npd_takes_a_last_poll_ahead_of_its_clock_for_unknown(tmp_path: Path, ahead: float) -> None:
+    """The wall clock went back (or the file says no time): a dead daemon's last verdict is not
+    fresh for as long as the step; only a poll within GPUWATCHD_NPD_MAX_AGE either way is."""
+    env = _metrics_file(
+        tmp_path / "ahead.prom",
+        f"gpuwatchd_last_successful_poll_timestamp_seconds {time.time() + ahead}\n"
+        'gpuwatchd_gpu_clean{gpu="GPU-1",index="0"} 1.0\n',
+    )
+    proc = _npd(env)
+    assert proc.returncode == 2, proc.stdout
+    assert proc.stdout.startswith("gpuwatchd's last poll: ")
+
+
 @pytest.mark.parametrize(
     ("setting", "text"),
     [

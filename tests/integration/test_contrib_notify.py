@@ -50,6 +50,13 @@ class _Server:
                 length = int(self.headers.get("Content-Length", "0"))
                 outer.bodies.append(json.loads(self.rfile.read(length)))
                 self.send_response(outer.status)
+                if 300 <= outer.status < 400:
+                    self.send_header("Location", "/moved")
+                self.end_headers()
+
+            def do_GET(self) -> None:  # where urllib follows a 301-303 of a POST, bodiless
+                outer.bodies.append({"GET": self.path})
+                self.send_response(200)
                 self.end_headers()
 
             def log_message(self, format: str, *args: object) -> None:
@@ -120,6 +127,17 @@ def test_a_server_error_is_a_failed_hook(server: _Server) -> None:
     done = run_webhook(server.url, "gpu17")
     assert done.returncode == 1
     assert "webhook post failed" in done.stderr
+
+
+@pytest.mark.parametrize("server", [301, 302, 303, 307], indirect=True)
+def test_a_redirect_is_a_failed_hook_never_a_post_lost_as_a_get(server: _Server) -> None:
+    """urllib turns a POST redirected by 301-303 into a GET without the body: the notification
+    was lost, yet the GET's 200 made the hook succeed. A redirect is a failure, followed never."""
+    done = run_webhook(server.url, "gpu17")
+    assert done.returncode == 1
+    assert "webhook post failed" in done.stderr
+    assert len(server.bodies) == 1
+    assert "GET" not in server.bodies[0]
 
 
 def test_only_http_urls_are_posted_to() -> None:

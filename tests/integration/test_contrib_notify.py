@@ -146,6 +146,17 @@ def test_only_http_urls_are_posted_to() -> None:
     assert "must be http" in done.stderr
 
 
+def test_a_refused_url_is_not_written_to_the_log() -> None:
+    """stderr is hook.run's output in the journal; a mistyped URL still holds the token (a
+    Mattermost hook's whole secret is its path): only the scheme is said."""
+    done = run_webhook("htps://mm.example.com/hooks/xq7secret", "gpu17")
+    assert done.returncode == 1
+    assert "must be http" in done.stderr
+    assert "'htps'" in done.stderr
+    assert "example" not in done.stderr
+    assert "secret" not in done.stderr
+
+
 def test_the_owner_notice_logs_and_mails_the_owner(tmp_path: Path) -> None:
     calls = tmp_path / "calls"
     for tool in ("logger", "mail"):

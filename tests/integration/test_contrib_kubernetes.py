@@ -539,6 +539,24 @@ def test_npd_says_unknown_when_it_fails_never_a_problem(
     assert "\n" not in proc.stdout.rstrip("\n")
 
 
+@pytest.mark.parametrize("value", ["no", "false", "Auto"])
+def test_npd_problem_setting_other_than_auto_or_yes_raises_no_problem(
+    tmp_path: Path, value: str
+) -> None:
+    """GPUWATCHD_NPD_PROBLEM=no meant "not in dry-run" but counted as yes (anything but
+    "auto" did): the rollout week's dirty GPU became the problem. Unknown, saying why."""
+    env = _metrics_file(
+        tmp_path / "dry.prom",
+        f"gpuwatchd_last_successful_poll_timestamp_seconds {time.time()}\n"
+        "gpuwatchd_dry_run 1.0\n"
+        'gpuwatchd_gpu_clean{gpu="GPU-1",index="0"} 0.0\n',
+    )
+    proc = _npd({**env, "GPUWATCHD_NPD_PROBLEM": value})
+    assert proc.returncode == 2, proc.stdout
+    assert "GPUWATCHD_NPD_PROBLEM" in proc.stdout
+    assert len(proc.stdout.rstrip("\n")) <= 80
+
+
 def test_npd_message_fits_the_limit(tmp_path: Path) -> None:
     now = time.time()
     uuid = "GPU-" + "f" * 120

@@ -504,6 +504,59 @@ def test_npd_says_unknown_without_a_metrics_file_or_with_a_stale_one(tmp_path: P
     assert garbled.stdout.startswith("gpuwatchd metrics unreadable")
 
 
+@pytest.mark.parametrize("ahead", [3600.0, float("inf"), float("nan")])
+def test_npd_takes_a_last_poll_ahead_of_its_clock_for_unknown(tmp_path: Path, ahead: float) -> None:
+    """The wall clock went back (or the file says no time): a dead daemon's last verdict is not
+    fresh for as long as the step; only a poll within GPUWATCHD_NPD_MAX_AGE either way is."""
+    env = _metrics_file(
+        tmp_path / "ahead.prom",
+        f"gpuwatchd_last_successful_poll_timestamp_seconds {time.time() + ahead}\n"
+        'gpuwatchd_gpu_clean{gpu="GPU-1",index="0"} 1.0\n',
+    )
+    proc = _npd(env)
+    assert proc.returncode == 2, proc.stdout
+    assert proc.stdout.startswith("gpuwatchd's last poll: ")
+
+
+@pytest.mark.parametrize(
+    ("setting", "text"),
+    [
+        ({"GPUWATCHD_NPD_MAX_AGE": "5m"}, ""),
+        ({"GPUWATCHD_NPD_MAX_OUTPUT": "eighty"}, ""),
+        ({}, 'gpuwatchd_gpu_clean{, ="c"}} 1\n'),  # the parser's IndexError, not a ValueError
+    ],
+)
+def test_npd_says_unknown_when_it_fails_never_a_problem(
+    tmp_path: Path, setting: dict[str, str], text: str
+) -> None:
+    """An uncaught exception exits 1, which NPD takes for the problem (the node cordoned): a
+    setting written as a duration, or a file the parser stumbles on, is unknown (2)."""
+    now = time.time()
+    body = text or f"gpuwatchd_last_successful_poll_timestamp_seconds {now}\n"
+    proc = _npd({**_metrics_file(tmp_path / "m.prom", body), **setting})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout.startswith("gpuwatchd-npd failed: ")
+    assert "\n" not in proc.stdout.rstrip("\n")
+
+
+@pytest.mark.parametrize("value", ["no", "false", "Auto"])
+def test_npd_problem_setting_other_than_auto_or_yes_raises_no_problem(
+    tmp_path: Path, value: str
+) -> None:
+    """GPUWATCHD_NPD_PROBLEM=no meant "not in dry-run" but counted as yes (anything but
+    "auto" did): the rollout week's dirty GPU became the problem. Unknown, saying why."""
+    env = _metrics_file(
+        tmp_path / "dry.prom",
+        f"gpuwatchd_last_successful_poll_timestamp_seconds {time.time()}\n"
+        "gpuwatchd_dry_run 1.0\n"
+        'gpuwatchd_gpu_clean{gpu="GPU-1",index="0"} 0.0\n',
+    )
+    proc = _npd({**env, "GPUWATCHD_NPD_PROBLEM": value})
+    assert proc.returncode == 2, proc.stdout
+    assert "GPUWATCHD_NPD_PROBLEM" in proc.stdout
+    assert len(proc.stdout.rstrip("\n")) <= 80
+
+
 def test_npd_message_fits_the_limit(tmp_path: Path) -> None:
     now = time.time()
     uuid = "GPU-" + "f" * 120

@@ -8,14 +8,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import textwrap
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
+import yaml
+
+from gpuwatchd.config.units import parse_duration
+from gpuwatchd.decide.argv import HOOK_PLACEHOLDERS, check_command
 
 CONTRIB = Path(__file__).resolve().parents[2] / "contrib" / "notify"
 WEBHOOK = CONTRIB / "gpuwatchd-webhook"
@@ -44,6 +50,13 @@ class _Server:
                 length = int(self.headers.get("Content-Length", "0"))
                 outer.bodies.append(json.loads(self.rfile.read(length)))
                 self.send_response(outer.status)
+                if 300 <= outer.status < 400:
+                    self.send_header("Location", "/moved")
+                self.end_headers()
+
+            def do_GET(self) -> None:  # where urllib follows a 301-303 of a POST, bodiless
+                outer.bodies.append({"GET": self.path})
+                self.send_response(200)
                 self.end_headers()
 
             def log_message(self, format: str, *args: object) -> None:
@@ -116,10 +129,32 @@ def test_a_server_error_is_a_failed_hook(server: _Server) -> None:
     assert "webhook post failed" in done.stderr
 
 
+@pytest.mark.parametrize("server", [301, 302, 303, 307], indirect=True)
+def test_a_redirect_is_a_failed_hook_never_a_post_lost_as_a_get(server: _Server) -> None:
+    """urllib turns a POST redirected by 301-303 into a GET without the body: the notification
+    was lost, yet the GET's 200 made the hook succeed. A redirect is a failure, followed never."""
+    done = run_webhook(server.url, "gpu17")
+    assert done.returncode == 1
+    assert "webhook post failed" in done.stderr
+    assert len(server.bodies) == 1
+    assert "GET" not in server.bodies[0]
+
+
 def test_only_http_urls_are_posted_to() -> None:
     done = run_webhook("file:///etc/shadow", "gpu17")
     assert done.returncode == 1
     assert "must be http" in done.stderr
+
+
+def test_a_refused_url_is_not_written_to_the_log() -> None:
+    """stderr is hook.run's output in the journal; a mistyped URL still holds the token (a
+    Mattermost hook's whole secret is its path): only the scheme is said."""
+    done = run_webhook("htps://mm.example.com/hooks/xq7secret", "gpu17")
+    assert done.returncode == 1
+    assert "must be http" in done.stderr
+    assert "'htps'" in done.stderr
+    assert "example" not in done.stderr
+    assert "secret" not in done.stderr
 
 
 def test_the_owner_notice_logs_and_mails_the_owner(tmp_path: Path) -> None:
@@ -219,3 +254,69 @@ def test_the_webhook_text_mentions_no_one_and_disguises_no_link(server: _Server)
     assert "\n" not in reason
     assert "\x1b" not in reason
     assert len(reason) <= 600
+
+
+# --- the on_action examples that run the helpers --------------------------------------------
+
+DOCS = CONTRIB.parents[1] / "docs"
+
+
+def _helper_examples() -> list[tuple[str, list[str], float]]:
+    """(where, argv, timeout in seconds) of every documented on_action hook that runs a helper:
+    the YAML blocks of docs/policy.md and docs/operations.md, and each helper's own header."""
+    blocks = [
+        (doc.name, block)
+        for doc in (DOCS / "policy.md", DOCS / "operations.md")
+        for block in re.findall(r"```yaml\n(.*?)```", doc.read_text(), re.S)
+    ]
+    for helper in (WEBHOOK, TELL_OWNER):
+        header = re.search(r"\n([# ]*)on_action:\n(.*?)\n[# ]*\n", helper.read_text(), re.S)
+        assert header is not None, helper.name
+        lines = [line[len(header[1]) :] for line in header[2].splitlines()]
+        blocks.append((helper.name, "\n".join(["on_action:", *lines])))
+    found = []
+    for where, block in blocks:
+        for hook in yaml.safe_load(textwrap.dedent(block)).get("on_action") or []:
+            argv = hook["command"] if isinstance(hook, dict) else hook
+            timeout = (
+                parse_duration(hook.get("timeout", "1m"), where="timeout")
+                if isinstance(hook, dict)
+                else 60
+            )
+            if any(arg.startswith("/") and "gpuwatchd-" in arg for arg in argv):
+                found.append((where, [str(arg) for arg in argv], timeout))
+    return found
+
+
+def test_the_docs_show_each_helper_run_with_what_it_reads() -> None:
+    """Each documented hook that runs a helper is a valid hook, names the helper where the docs
+    say to copy it, waits for it (so its failure shows in hook.run) and passes through
+    systemd-run every GPUWATCHD_* variable the helper reads: systemd-run passes none unasked."""
+    examples = _helper_examples()
+    assert {where for where, _, _ in examples} == {
+        "policy.md", "operations.md", WEBHOOK.name, TELL_OWNER.name
+    }  # fmt: skip
+    for where, argv, _ in examples:
+        check_command(argv, HOOK_PLACEHOLDERS)
+        helper = next(Path(arg) for arg in argv if "gpuwatchd-" in arg)
+        assert helper.parent == Path("/usr/local/sbin"), (where, argv)
+        reads = set(
+            re.findall(r'(?:get\("|\$\{)(GPUWATCHD_[A-Z_]+)', (CONTRIB / helper.name).read_text())
+        )
+        passed = {argv[i + 1] for i, arg in enumerate(argv) if arg == "-E"}
+        assert argv[:2] == ["systemd-run", "--wait"], (where, argv)
+        assert reads - {"GPUWATCHD_WEBHOOK_URL", "GPUWATCHD_HOSTNAME"} <= passed, (where, argv)
+
+
+def test_the_docs_end_each_helpers_transient_unit_before_the_hook_timeout() -> None:
+    """The daemon kills a hook at its timeout by its process tree, which a transient unit of
+    systemd-run is not part of: only the unit's own RuntimeMaxSec= ends a helper that hangs."""
+    for where, argv, timeout in _helper_examples():
+        props = [argv[i + 1] for i, arg in enumerate(argv) if arg in ("-p", "--property")]
+        limits = [
+            parse_duration(prop.split("=", 1)[1], where=prop)
+            for prop in props
+            if prop.startswith("RuntimeMaxSec=")
+        ]
+        assert len(limits) == 1, (where, argv)
+        assert limits[0] < timeout, (where, argv)

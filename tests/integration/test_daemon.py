@@ -526,6 +526,19 @@ def test_an_unreadable_state_is_kept_aside_and_the_daemon_holds_in_a_latched_dry
     assert str(aside[0]) in document["kill_cap"]["reason"]
 
 
+def _refusals_said(tmp_path: Path, doc: dict[str, object]) -> list[str]:
+    """What loading a state file holding ``doc`` said, refusing it (both events' reason)."""
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    (state_dir / "state.json").write_text(json.dumps(doc))
+    policy = dataclasses.replace(default_policy(), state_dir=str(state_dir), dry_run=False)
+    with capture_logs() as logs:
+        Daemon(policy, config_path=str(tmp_path / "none.yaml"))._load_state()
+    said = [e.get("error") or e["why"] for e in logs if e["event"] in _REFUSED_STATE]
+    assert len(said) == 2
+    return said
+
+
 @pytest.mark.parametrize("part", ["envelope", "assess", "plan"])
 def test_a_saved_version_of_any_size_is_said_cut_short(tmp_path: Path, part: str) -> None:
     """A state file's version is any JSON value, as large as the file: the message refusing
@@ -538,14 +551,7 @@ def test_a_saved_version_of_any_size_is_said_cut_short(tmp_path: Path, part: str
         if part == "envelope"
         else {**_GOOD, part: {**parts[part], "version": huge}}
     )
-    state_dir = tmp_path / "state"
-    state_dir.mkdir(mode=0o700)
-    (state_dir / "state.json").write_text(json.dumps(doc))
-    policy = dataclasses.replace(default_policy(), state_dir=str(state_dir), dry_run=False)
-    with capture_logs() as logs:
-        Daemon(policy, config_path=str(tmp_path / "none.yaml"))._load_state()
-    said = [e.get("error") or e["why"] for e in logs if e["event"] in _REFUSED_STATE]
-    assert len(said) == 2
+    said = _refusals_said(tmp_path, doc)
     assert all("version" in why and "'9999" in why and len(why) < 200 for why in said), said
 
 
@@ -571,14 +577,7 @@ def test_a_saved_key_or_entry_of_any_size_is_said_cut_short(
     cut as event values are, wherever in the state it was."""
     parts = {"assess": AssessState().to_json(), "plan": _GOOD_PLAN}
     doc = {**_GOOD, part: {**parts[part], **entries}}
-    state_dir = tmp_path / "state"
-    state_dir.mkdir(mode=0o700)
-    (state_dir / "state.json").write_text(json.dumps(doc))
-    policy = dataclasses.replace(default_policy(), state_dir=str(state_dir), dry_run=False)
-    with capture_logs() as logs:
-        Daemon(policy, config_path=str(tmp_path / "none.yaml"))._load_state()
-    said = [e.get("error") or e["why"] for e in logs if e["event"] in _REFUSED_STATE]
-    assert len(said) == 2
+    said = _refusals_said(tmp_path, doc)
     assert all("kkkk" in why and len(why) <= 160 for why in said), [w[:200] for w in said]
 
 

@@ -482,37 +482,46 @@ def test_undrain_without_slurm_does_nothing(tmp_path: Path) -> None:
     assert not (tmp_path / "state").exists()
 
 
-def test_undrain_lifts_nothing_an_admin_drained_over_ours_during_the_check(tmp_path: Path) -> None:
-    """The check before a resume takes a while (a walk of /proc): an admin who drains the node
-    with a reason of their own meanwhile keeps the drain; only a drain still ours is lifted."""
-    for name, text in (("node.state", "IDLE+DRAIN"), ("node.reason", "gpuwatchd: GPU-x orphaned")):
+def _script(
+    tmp_path: Path, node: tuple[str, str], check: str, argv: list[str], **env: str
+) -> subprocess.CompletedProcess[str]:
+    """Run contrib script ``argv`` on a node in state ``node`` (state, reason) of the fake
+    scontrol, with a stand-in gpuwatchd whose shell body is ``check``; ``env`` added."""
+    for name, text in zip(("node.state", "node.reason"), node, strict=True):
         (tmp_path / name).write_text(text)
-    scontrol = tmp_path / "scontrol"
-    scontrol.write_text(FAKE_SCONTROL)
-    scontrol.chmod(0o755)
-    gpuwatchd = tmp_path / "gpuwatchd"  # clean, and the admin's drain lands during the check
-    gpuwatchd.write_text(f"#!/bin/sh\nprintf 'admin: fan' > {tmp_path / 'node.reason'}\n")
-    gpuwatchd.chmod(0o755)
+    for name, body in (("scontrol", FAKE_SCONTROL), ("gpuwatchd", f"#!/bin/sh\n{check}")):
+        (tmp_path / name).write_text(body)
+        (tmp_path / name).chmod(0o755)
     env = {
         "PATH": "/usr/bin:/bin",
-        "GPUWATCHD": str(gpuwatchd),
-        "GPUWATCHD_SCONTROL": str(scontrol),
+        "GPUWATCHD": str(tmp_path / "gpuwatchd"),
+        "GPUWATCHD_SCONTROL": str(tmp_path / "scontrol"),
         "GPUWATCHD_SLURM_NODE": NODE,
         "GPUWATCHD_SLURM_STATE": str(tmp_path / "state"),
         "GPUWATCHD_SLURM_DEFAULTS": str(tmp_path / "no-defaults"),
+        **env,
     }
-    proc = subprocess.run(
-        [str(SLURM / "gpuwatchd-slurm"), "undrain"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    argv[0] = str(SLURM / argv[0])
+    return subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+
+
+def _only_shown(tmp_path: Path) -> bool:
+    """Whether every scontrol call was a ``show`` (nothing drained or resumed)."""
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    return all(c.split("\x1f")[0] == "show" for c in calls)
+
+
+def test_undrain_lifts_nothing_an_admin_drained_over_ours_during_the_check(tmp_path: Path) -> None:
+    """The check before a resume takes a while (a walk of /proc): an admin who drains the node
+    with a reason of their own meanwhile keeps the drain; only a drain still ours is lifted."""
+    # Clean, and the admin's drain lands during the check.
+    check = f"printf 'admin: fan' > {tmp_path / 'node.reason'}\n"
+    node = ("IDLE+DRAIN", "gpuwatchd: GPU-x orphaned")
+    proc = _script(tmp_path, node, check, ["gpuwatchd-slurm", "undrain"])
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "node.state").read_text() == "IDLE+DRAIN"
     assert (tmp_path / "node.reason").read_text() == "admin: fan"
-    calls = (tmp_path / "calls.log").read_text().splitlines()
-    assert all(c.split("\x1f")[0] == "show" for c in calls), calls
+    assert _only_shown(tmp_path)
 
 
 def test_a_check_that_cannot_tell_drains_naming_why_not_a_clean_gpus_blocker(
@@ -520,32 +529,13 @@ def test_a_check_that_cannot_tell_drains_naming_why_not_a_clean_gpus_blocker(
 ) -> None:
     """check-clean says on stderr, first, what would block a clean GPU's reset (a user's
     process and its name); the drain reason is why the check could not tell (here 75)."""
-    (tmp_path / "node.state").write_text("IDLE")
-    (tmp_path / "node.reason").write_text("")
-    scontrol = tmp_path / "scontrol"
-    scontrol.write_text(FAKE_SCONTROL)
-    scontrol.chmod(0o755)
-    gpuwatchd = tmp_path / "gpuwatchd"
-    gpuwatchd.write_text(
-        "#!/bin/sh\n"
+    check = (
         "echo 'gpuwatchd: GPU 0 GPU-x: clean; would block a reset: pid 4242 (a user name)' >&2\n"
         "echo 'gpuwatchd: cannot tell whether the GPUs are clean: state.json unread' >&2\n"
         "exit 75\n"
     )
-    gpuwatchd.chmod(0o755)
-    env = {
-        "PATH": "/usr/bin:/bin",
-        "GPUWATCHD": str(gpuwatchd),
-        "GPUWATCHD_SCONTROL": str(scontrol),
-        "GPUWATCHD_SLURM_NODE": NODE,
-        "GPUWATCHD_SLURM_STATE": str(tmp_path / "state"),
-        "GPUWATCHD_SLURM_DEFAULTS": str(tmp_path / "no-defaults"),
-        "GPUWATCHD_SLURM_DRAIN": "yes",
-        "SLURM_JOB_GPUS": "0",
-    }
-    proc = subprocess.run(
-        [str(SLURM / "gpuwatchd-prolog")], env=env, capture_output=True, text=True, check=False
-    )
+    drain = {"GPUWATCHD_SLURM_DRAIN": "yes", "SLURM_JOB_GPUS": "0"}
+    proc = _script(tmp_path, ("IDLE", ""), check, ["gpuwatchd-prolog"], **drain)
     assert proc.returncode == 1, proc.stderr
     assert (tmp_path / "node.reason").read_text() == (
         "gpuwatchd: cannot check the GPUs (check-clean exit 75: "
@@ -556,35 +546,16 @@ def test_a_check_that_cannot_tell_drains_naming_why_not_a_clean_gpus_blocker(
 def test_undrain_lifts_no_drain_another_script_asked_for_during_the_check(tmp_path: Path) -> None:
     """A prolog's (or the timer's) check found every GPU clean; meanwhile another job's epilog
     found a GPU dirty and drained the node again, ours too: that new drain stays."""
-    for name, text in (("node.state", "IDLE+DRAIN"), ("node.reason", "gpuwatchd: GPU-x orphaned")):
-        (tmp_path / name).write_text(text)
     (tmp_path / "state").mkdir(mode=0o700)
     record = tmp_path / "state" / f"drained.{NODE}"
     record.write_text("at=1000\nreason=gpuwatchd: GPU-x orphaned\n")
-    scontrol = tmp_path / "scontrol"
-    scontrol.write_text(FAKE_SCONTROL)
-    scontrol.chmod(0o755)
-    gpuwatchd = tmp_path / "gpuwatchd"  # clean; the other epilog drains during the check
-    gpuwatchd.write_text(
-        f"#!/bin/sh\nprintf 'at=2000\\nreason=gpuwatchd: GPU-y orphaned\\n' > {record}\n"
+    # Clean; the other epilog drains during the check.
+    check = (
+        f"printf 'at=2000\\nreason=gpuwatchd: GPU-y orphaned\\n' > {record}\n"
         f"printf 'gpuwatchd: GPU-y orphaned' > {tmp_path / 'node.reason'}\n"
     )
-    gpuwatchd.chmod(0o755)
-    env = {
-        "PATH": "/usr/bin:/bin",
-        "GPUWATCHD": str(gpuwatchd),
-        "GPUWATCHD_SCONTROL": str(scontrol),
-        "GPUWATCHD_SLURM_NODE": NODE,
-        "GPUWATCHD_SLURM_STATE": str(tmp_path / "state"),
-        "GPUWATCHD_SLURM_DEFAULTS": str(tmp_path / "no-defaults"),
-    }
-    proc = subprocess.run(
-        [str(SLURM / "gpuwatchd-slurm"), "undrain"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    node = ("IDLE+DRAIN", "gpuwatchd: GPU-x orphaned")
+    proc = _script(tmp_path, node, check, ["gpuwatchd-slurm", "undrain"])
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "node.state").read_text() == "IDLE+DRAIN"
     assert (tmp_path / "node.reason").read_text() == "gpuwatchd: GPU-y orphaned"
@@ -594,33 +565,14 @@ def test_undrain_lifts_no_drain_another_script_asked_for_during_the_check(tmp_pa
 def test_a_node_an_admin_set_down_keeps_its_reason_and_stays_down(tmp_path: Path) -> None:
     """Setting a node DOWN kills its jobs, and their epilogs run: a dirty GPU found then must
     not put our drain (and reason) over the admin's, which the timer would later resume."""
-    for name, text in (("node.state", "DOWN"), ("node.reason", "admin: bad PSU")):
-        (tmp_path / name).write_text(text)
-    scontrol = tmp_path / "scontrol"
-    scontrol.write_text(FAKE_SCONTROL)
-    scontrol.chmod(0o755)
-    gpuwatchd = tmp_path / "gpuwatchd"  # the job's GPU is dirty
-    gpuwatchd.write_text("#!/bin/sh\necho 'GPU 0 GPU-x: orphaned pid 4242'\nexit 1\n")
-    gpuwatchd.chmod(0o755)
-    env = {
-        "PATH": "/usr/bin:/bin",
-        "GPUWATCHD": str(gpuwatchd),
-        "GPUWATCHD_SCONTROL": str(scontrol),
-        "GPUWATCHD_SLURM_NODE": NODE,
-        "GPUWATCHD_SLURM_STATE": str(tmp_path / "state"),
-        "GPUWATCHD_SLURM_DEFAULTS": str(tmp_path / "no-defaults"),
-        "GPUWATCHD_SLURM_DRAIN": "yes",
-        "SLURM_JOB_GPUS": "0",
-    }
-    proc = subprocess.run(
-        [str(SLURM / "gpuwatchd-prolog")], env=env, capture_output=True, text=True, check=False
-    )
+    check = "echo 'GPU 0 GPU-x: orphaned pid 4242'\nexit 1\n"  # the job's GPU is dirty
+    drain = {"GPUWATCHD_SLURM_DRAIN": "yes", "SLURM_JOB_GPUS": "0"}
+    proc = _script(tmp_path, ("DOWN", "admin: bad PSU"), check, ["gpuwatchd-prolog"], **drain)
     assert proc.returncode == 1, proc.stderr
     assert "admin: bad PSU" in proc.stderr
     assert (tmp_path / "node.state").read_text() == "DOWN"
     assert (tmp_path / "node.reason").read_text() == "admin: bad PSU"
-    calls = (tmp_path / "calls.log").read_text().splitlines()
-    assert all(c.split("\x1f")[0] == "show" for c in calls), calls
+    assert _only_shown(tmp_path)
     assert not (tmp_path / "state" / f"drained.{NODE}").exists()
 
 

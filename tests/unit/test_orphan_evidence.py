@@ -204,18 +204,20 @@ def test_a_recorded_parent_whose_pid_now_names_a_live_job_is_no_dead_owner() -> 
     assert kind == "hidden_holder"
 
 
+def _owner_800_of_gpu0(worker_sid: int | None = None) -> Snapshot:
+    """A poll before: process 800 owns GPU 0's memory (with ``worker_sid``, its child 801, a
+    group leader in that session, holds GPU 0 too)."""
+    builder = HostBuilder(monotonic=1000.0).gpu(0, allocated=LEAK)
+    builder.proc(800, ppid=1, holds={0}, uvm=True).nvml(0, 800, used=LEAK)
+    if worker_sid is not None:
+        builder.proc(801, ppid=800, pgid=801, sid=worker_sid, holds={0}, uvm=True)
+    return builder.build()
+
+
 def test_a_zombie_leader_whose_threads_hold_the_gpu_is_no_dead_owner() -> None:
     """800 is a zombie leader, but its threads still hold GPU 0 (NVML lists it): a holder
     that recorded it as its parent is not tied to a dead owner by it."""
-    before = (
-        HostBuilder(monotonic=1000.0)
-        .gpu(0, allocated=LEAK)
-        .proc(800, ppid=1, holds={0}, uvm=True)
-        .nvml(0, 800, used=LEAK)
-        .proc(801, ppid=800, pgid=801, sid=801, holds={0}, uvm=True)
-        .build()
-    )
-    first = run(before)
+    first = run(_owner_800_of_gpu0(worker_sid=801))
     later = (
         HostBuilder(monotonic=1010.0)
         .gpu(0, allocated=LEAK)
@@ -232,14 +234,7 @@ def test_a_zombie_leader_whose_threads_hold_the_gpu_is_no_dead_owner() -> None:
 def test_a_holder_first_seen_in_the_poll_its_memory_lost_its_owner_is_the_heir() -> None:
     """The heir must have been seen no later than the moment the memory became unowned; the
     very same poll counts (the owner was seen owning GPU 0 the poll before)."""
-    owned = (
-        HostBuilder(monotonic=1000.0)
-        .gpu(0, allocated=LEAK)
-        .proc(800, ppid=1, holds={0}, uvm=True)
-        .nvml(0, 800, used=LEAK)
-        .build()
-    )
-    first = run(owned)
+    first = run(_owner_800_of_gpu0())
     orphaned = (
         HostBuilder(monotonic=1010.0)
         .gpu(0, allocated=LEAK)
@@ -256,14 +251,7 @@ def test_a_holder_whose_recorded_parent_pid_now_names_another_process_is_no_heir
     """Owner 800 left GPU 0's memory and exited; its PID went to a new process, whose child 801
     opened the GPU in the same poll interval: the recorded parent 800 is that new process, not
     the former owner, so nothing ties 801 to the memory (reported, never killed)."""
-    owned = (
-        HostBuilder(monotonic=1000.0)
-        .gpu(0, allocated=LEAK)
-        .proc(800, ppid=1, holds={0}, uvm=True)
-        .nvml(0, 800, used=LEAK)
-        .build()
-    )
-    first = run(owned)
+    first = run(_owner_800_of_gpu0())
     reused = (
         HostBuilder(monotonic=1010.0)
         .gpu(0, allocated=LEAK)
@@ -300,15 +288,7 @@ def test_a_poll_that_cannot_tell_the_memory_unowned_keeps_since_when_it_was(
             host.proc(pid, ppid=1, pgid=pid, sid=800, holds={0}, uvm=True)
         return host
 
-    owned = (
-        HostBuilder(monotonic=1000.0)
-        .gpu(0, allocated=LEAK)
-        .proc(800, ppid=1, holds={0}, uvm=True)
-        .nvml(0, 800, used=LEAK)
-        .proc(801, ppid=800, pgid=801, sid=800, holds={0}, uvm=True)
-        .build()
-    )
-    state = run(owned).state
+    state = run(_owner_800_of_gpu0(worker_sid=800)).state
     for at, gpu, pids in [(1010.0, _leaking, (801,)), (1020.0, _leaking, (801, 802)),
                           (1030.0, unknown, (801, 802))]:  # fmt: skip
         state = run(poll(at, gpu, *pids).build(), state).state

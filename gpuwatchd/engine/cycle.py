@@ -232,7 +232,9 @@ class Engine:
         made = inputs.clear_latches
         if made is not None:  # lift a forced dry-run, close the reset circuit breaker
             plan = clear_circuit(clear_forced_dry_run(self.state.plan, made), made)
-            kept = (["node"] if plan.forced_dry_run else []) + sorted(plan.scope_latches)
+            kept = ["node"] if plan.forced_dry_run else []
+            kept += ["circuit"] if plan.reset_failures else []  # a reset failed after it
+            kept += sorted(plan.scope_latches)
             self.state.plan = plan  # those latched after the request: nobody saw them
             fields = {"kept": kept} if kept else {}
             self.emit(EventName.LIMITS_LATCHES_CLEARED, Level.WARNING, **fields)

@@ -998,6 +998,36 @@ def test_reset_circuit_breaker_opens_after_consecutive_failures_until_cleared() 
     assert len(resets(r)) == 1
 
 
+def test_a_clear_latches_request_older_than_a_failed_reset_keeps_the_circuit_it_opened() -> None:
+    """A request left while the daemon was down is taken by the next start's first poll: a
+    reset that start resumed and that failed (after the request) keeps the breaker's count and
+    circuit; one that failed before the request is lifted, as one of no known time is."""
+    pol = policy(reset=ResetPolicy(confirm_for=0.0, cooldown=0.0, max_resets=10, max_failures=2))
+    g, h, w = ghost(), ghost(GPU1), 1e9
+    state, made = PlanState(), w + 50
+    for i, outcome in enumerate(("failed", "timeout")):
+        (intent,) = resets(r := _reset_run([g, h], state, 100.0 * i, wall=w + 100 * i, pol=pol))
+        state = record_reset(r.state, intent, outcome, now=100.0 * i, wall=w + 100 * i).state
+    assert state.last_failure == w + 100
+    kept = clear_circuit(state, made)
+    assert (kept.reset_failures, kept.last_failure) == (2, w + 100)
+    r = _reset_run([g, h], kept, 300.0, wall=w + 300, pol=pol)
+    assert resets(r) == []
+    assert EventName.RESET_CIRCUIT_OPEN in names(r)
+    assert clear_circuit(r.state, made) == r.state  # opened after the request: nobody saw it
+    for lifted in (clear_circuit(r.state, made + 100), clear_circuit(r.state)):
+        assert (lifted.circuit_open, lifted.reset_failures, lifted.last_failure) == (False, 0, None)
+        assert len(resets(_reset_run([g, h], lifted, 500.0, wall=w + 500, pol=pol))) == 1
+    old_file = r.state.to_json()
+    del old_file["last_failure"]  # an older state file: unknown, lifted by any request
+    assert not clear_circuit(PlanState.from_json(old_file), made).circuit_open
+    success = record_reset(r.state, intent, "success", now=600.0, wall=w + 600)
+    assert (success.state.reset_failures, success.state.last_failure) == (0, None)
+    back = _reset_run([g, h], r.state, 400.0, wall=w - 3600, pol=pol)  # the clock steps back
+    assert back.state.last_failure == w + 100 - 3900  # the 3900 s step counts as no time
+    assert not clear_circuit(back.state, w - 3599).circuit_open  # made after, on this clock
+
+
 def test_an_admins_clear_lifts_the_latches_set_by_its_request_and_keeps_those_set_after() -> None:
     """`resume --clear-latches` is made at a wall time and taken at a later poll (the next
     start's, when the daemon was down): what was latched or booked after it, nobody saw."""
@@ -1018,7 +1048,7 @@ def test_an_admins_clear_lifts_the_latches_set_by_its_request_and_keeps_those_se
     assert list(cleared.scope_latches) == ["uid:2"]
     assert list(cleared.reset_refusals) == [GPU1]
     assert list(cleared.mig_unfinished) == ["MIG-b"]
-    assert (cleared.circuit_open, cleared.reset_failures) == (False, 0)  # it records no time
+    assert (cleared.circuit_open, cleared.reset_failures) == (False, 0)  # no failure's time
     lifted = clear_forced_dry_run(replace(state, forced_since=made), made)
     assert (lifted.forced_dry_run, lifted.forced_reason, lifted.forced_since) == (False, None, None)
     unknown = clear_forced_dry_run(replace(state, forced_since=None), made)  # an older file's

@@ -11,6 +11,7 @@ import ast
 import inspect
 import math
 import pathlib
+from dataclasses import replace
 
 import pytest
 
@@ -127,6 +128,11 @@ def test_the_admin_switches_come_in_with_the_poll() -> None:
     assert [s.target for s in report.snapshot.spares] == ["pid:201"]
     report = r.engine.poll(PollInputs(clear_latches=math.inf))
     assert r.sink.named(EventName.LIMITS_LATCHES_CLEARED)
+    failed = replace(report.plan, circuit_open=True, reset_failures=2, last_failure=W0 + 11.0)
+    r.engine.state.plan = failed  # a reset failed after the request: its circuit holds
+    report = r.engine.poll(PollInputs(clear_latches=W0 + 10.0))
+    assert (report.plan.circuit_open, report.plan.reset_failures) == (True, 2)
+    assert r.sink.named(EventName.LIMITS_LATCHES_CLEARED)[-1]["kept"] == ["circuit"]
 
 
 @pytest.mark.parametrize(

@@ -238,16 +238,16 @@ def clear_forced_dry_run(state: PlanState, made: float = math.inf) -> PlanState:
 
 
 def clear_circuit(state: PlanState, made: float = math.inf) -> PlanState:
-    """Admin: close the reset circuit breaker; forget the failures, and the refused incidents
-    and MIG recoveries left half done by wall time ``made`` (the admin says they are dealt
-    with; the breaker records no time)."""
-    notes = {k: v for k, v in state.notes.items() if k != "node:circuit"}
+    """Admin: close the reset circuit breaker and forget the failures, unless one failed after
+    wall time ``made`` (the request: nobody saw it), and forget the refused incidents and MIG
+    recoveries left half done by then (the admin says they are dealt with)."""
     refusals = {k: v for k, v in state.reset_refusals.items() if _after(v.since, made)}
     unfinished = {k: v for k, v in state.mig_unfinished.items() if _after(v.since, made)}
-    return replace(
-        state, circuit_open=False, reset_failures=0, notes=notes, reset_refusals=refusals,
-        mig_unfinished=unfinished,
-    )  # fmt: skip
+    state = replace(state, reset_refusals=refusals, mig_unfinished=unfinished)
+    if _after(state.last_failure, made):
+        return state
+    notes = {k: v for k, v in state.notes.items() if k != "node:circuit"}
+    return replace(state, circuit_open=False, reset_failures=0, last_failure=None, notes=notes)
 
 
 def forget_reset_refusals(state: PlanState) -> PlanState:

@@ -170,9 +170,11 @@ class Work:
             self.scope_latches = {
                 k: replace(v, since=v.since - step) for k, v in self.scope_latches.items()
             }
-            forced = self.state.forced_since
+            forced, failed = self.state.forced_since, self.state.last_failure
             if forced is not None:
                 self.state = replace(self.state, forced_since=forced - step)
+            if failed is not None:
+                self.state = replace(self.state, last_failure=failed - step)
             self.shadow.shift(step)
             name = EventName.CLOCK_STEPPED_BACK if step > 0 else EventName.CLOCK_STEPPED_FORWARD
             self.event(name, Level.WARNING, seconds=abs(step), wall=wall)

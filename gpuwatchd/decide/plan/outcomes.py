@@ -203,12 +203,12 @@ def _book_attempt(
     w.last_reset[gpu] = wall
     w.reset_history.append((gpu, wall))
     if outcome is ResetResult.SUCCESS:
-        w.state = replace(w.state, reset_failures=0)
+        w.state = replace(w.state, reset_failures=0, last_failure=None)
         w.event(EventName.RESET_SUCCEEDED, Level.INFO, **fields)  # booked; RESET_OUTCOME said it
         w.intents.append(_reset_action(intent, ActionOutcome.RESET, fields))
         return
     failures = w.state.reset_failures + 1
-    w.state = replace(w.state, reset_failures=failures)
+    w.state = replace(w.state, reset_failures=failures, last_failure=wall)
     w.event(EventName.RESET_FAILED, Level.INFO, failures=failures, **fields)  # as above
     facts = {**fields, "failures": failures}
     page(w, f"reset of {gpu} {outcome}", facts, fields, dry_run=intent.dry_run)

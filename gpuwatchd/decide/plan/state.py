@@ -139,6 +139,7 @@ class PlanState:
     last_dry_reset: Mapping[str, float] = field(default_factory=dict)
     reset_history: tuple[tuple[str, float], ...] = ()
     reset_failures: int = 0
+    last_failure: float | None = None  # wall time of the last failure counted (None: unknown)
     circuit_open: bool = False
     reset_in_flight: ResetInFlight | None = None
     signal_history: tuple[tuple[str, float], ...] = ()
@@ -264,6 +265,8 @@ def _opt_int(value: object, what: str) -> int | None:
 
 # PlanState's own scalar fields ("reset_failures" is also checked to be >= 0).
 _SCALARS = _Form(PlanState, {"boot_id": opt_text, "reset_failures": integer,
+                 # absent in older state files: unknown, lifted by any resume --clear-latches
+                 "last_failure": opt_number,
                  "circuit_open": flag, "forced_dry_run": flag, "forced_reason": opt_reason,
                  "forced_since": opt_number,
                  # absent in older state files: anchored once by wall time

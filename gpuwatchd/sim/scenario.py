@@ -25,7 +25,7 @@ from gpuwatchd.config.yamlsrc import (
     load_document,
     shown,
 )
-from gpuwatchd.core.checked import decimal
+from gpuwatchd.core.checked import MAX_REASON, decimal
 from gpuwatchd.sim.scenario_gpus import HEALTH_KEYS, GpuReader
 from gpuwatchd.sim.scenario_spec import (
     EVENT_ACTIONS,
@@ -379,13 +379,12 @@ class _Reader(GpuReader):
 
         sm = self.mapping(node, ("process", "job", "for", "reason"))
         who = [k for k in ("process", "job") if k in sm.entries]
-        if len(who) != 1 or "for" not in sm.entries:
-            raise sm.error("spare needs 'for' and one of 'process' or 'job'")
+        reason = self.string(sm.entries["reason"])[:MAX_REASON] if "reason" in sm.entries else ""
+        if len(who) != 1 or "for" not in sm.entries or not reason:  # as gpuwatchd spare, cut
+            raise sm.error("spare needs 'for', a 'reason' and one of 'process' or 'job'")
         lasts = self.duration(sm.entries["for"])
         if lasts <= 0:
             raise sm.entries["for"].error("a spare lasts more than 0s")
-        reason_node = sm.entries.get("reason")
-        reason = self.string(reason_node) if reason_node is not None else ""
         if who == ["process"]:
             name = self.name_ref(sm.entries["process"])
             return EventSpec(at, "spare", line, target=name, value=reason, lasts=lasts)

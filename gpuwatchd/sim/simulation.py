@@ -49,6 +49,7 @@ from gpuwatchd.sim.world import (
     mig_uuid,
     size_text,
 )
+from gpuwatchd.state.spares import MAX_SPARES
 
 BUSY_POLLS = 50  # polls at one instant before the simulation calls it a busy loop
 MAX_POLLS = 100_000  # interval polls one simulation may take; more is refused up front
@@ -111,6 +112,19 @@ def _check_playable(scenario: Scenario, policy: Policy) -> None:
                 f"'gpuwatchd spare --for' must be between 1s and limits.max_spare "
                 f"({format_duration(longest)})"
             )
+
+
+def _refuse_past_max_spares(
+    scenario: Scenario, event: EventSpec, spares: Mapping[str, Spare], new: Spare, wall: float
+) -> None:
+    """SimulationError for the spare ``new`` of a new target while MAX_SPARES are in force at
+    ``wall``, which ``gpuwatchd spare`` refuses (one of a target in force replaces it)."""
+    in_force = {s.target for s in spares.values() if s.until > wall}
+    if len(in_force) >= MAX_SPARES and new.target not in in_force:
+        raise SimulationError(
+            f"{scenario.path}:{event.line}: spare: {MAX_SPARES} spares are in force, the most "
+            "the daemon honours at once: 'gpuwatchd spare' refuses another"
+        )
 
 
 class Simulation:
@@ -264,6 +278,7 @@ class Simulation:
         if action in ("pause", "resume"):
             self.pause = Pause((event.value or "admin") if action == "pause" else None)
         elif action == "spare" and (spare := self.world.spare(event, WALL0 + self.now)) is not None:
+            _refuse_past_max_spares(self.scenario, event, self.spares, spare, WALL0 + self.now)
             self.spares[spare.target] = spare
         self._apply_to_process(event)
         self._apply_to_gpu(event)

@@ -47,13 +47,13 @@ def test_a_job_spare_holds_every_process_of_the_job_until_it_ends() -> None:
 
 
 def test_a_process_spare_given_after_it_exited_spares_nobody() -> None:
-    r = play("{at: 5s, exit: worker}", "{at: 6s, spare: {process: worker, for: 1h}}")
+    r = play("{at: 5s, exit: worker}", "{at: 6s, spare: {process: worker, for: 1h, reason: x}}")
     assert r.entries("spare.started") == []
 
 
 def test_a_later_spare_of_the_same_target_replaces_the_first() -> None:
     r = play(
-        "{at: 5s, spare: {process: worker, for: 60s}}",
+        "{at: 5s, spare: {process: worker, for: 60s, reason: first}}",
         "{at: 30s, spare: {process: worker, for: 60s, reason: longer}}",
     )
     assert sigterms(r) == [90.0]
@@ -69,10 +69,12 @@ def test_a_later_spare_of_the_same_target_replaces_the_first() -> None:
         ("{at: 5s, spare: {process: worker}}", "spare needs 'for'"),
         ("{at: 5s, spare: {for: 1m}}", "one of 'process' or 'job'"),
         ("{at: 5s, spare: {process: worker, job: '42', for: 1m}}", "one of 'process' or 'job'"),
-        ("{at: 5s, spare: {process: nobody, for: 1m}}", "no process named 'nobody'"),
+        ("{at: 5s, spare: {process: nobody, for: 1m, reason: x}}", "no process named 'nobody'"),
         ("{at: 5s, spare: {job: 'a b', for: 1m}}", "spare"),
-        ("{at: 5s, spare: {process: worker, for: 0s}}", "more than 0s"),
+        ("{at: 5s, spare: {process: worker, for: 0s, reason: x}}", "more than 0s"),
         ("{at: 5s, spare: {process: worker, for: 1m, until: 2m}}", "until"),
+        ("{at: 5s, spare: {process: worker, for: 1m}}", "a 'reason'"),
+        ("{at: 5s, spare: {process: worker, for: 1m, reason: ''}}", "a 'reason'"),
     ],
 )
 def test_a_malformed_spare_event_is_refused_naming_the_line(event: str, message: str) -> None:
@@ -89,11 +91,31 @@ def test_a_spare_the_spare_command_would_refuse_is_refused(lasts: str) -> None:
     from gpuwatchd.sim.world import SimulationError
 
     with pytest.raises(SimulationError) as caught:
-        play(f"{{at: 5s, spare: {{process: worker, for: {lasts}}}}}")
+        play(f"{{at: 5s, spare: {{process: worker, for: {lasts}, reason: x}}}}")
     assert str(caught.value).startswith("s.yaml:12: spare for: ")
     assert str(caught.value).endswith("must be between 1s and limits.max_spare (1d)")
     longer = BASE.replace("{dry_run: false}", "{dry_run: false, limits: {max_spare: 2d}}")
     spared = simulate(
-        parse_scenario("s.yaml", longer + "  - {at: 5s, spare: {job: '42', for: 2d}}\n")
+        parse_scenario("s.yaml", longer + "  - {at: 5s, spare: {job: '42', for: 2d, reason: x}}\n")
     )
     assert sigterms(spared) == []
+
+
+def test_a_spares_reason_is_cut_and_no_more_spares_are_in_force_than_the_command_allows() -> None:
+    """As ``gpuwatchd spare``: its reason is cut to MAX_REASON characters, and a spare of a new
+    target while MAX_SPARES are in force is refused (one of a target in force replaces it)."""
+    from gpuwatchd.core.checked import MAX_REASON
+    from gpuwatchd.sim.world import SimulationError
+    from gpuwatchd.state.spares import MAX_SPARES
+
+    (started,) = play(f"{{at: 5s, spare: {{job: '42', for: 1m, reason: {'x' * 600}}}}}").entries(
+        "spare.started"
+    )
+    assert started.fields["reason"] == "x" * MAX_REASON
+    spares = [f"{{at: 5s, spare: {{job: '{i}', for: 1m, reason: x}}}}" for i in range(MAX_SPARES)]
+    again = "{at: 6s, spare: {job: '0', for: 2m, reason: longer}}"
+    assert sigterms(play(*spares, again, "{at: 70s, spare: {job: '99', for: 1m, reason: x}}"))
+    with pytest.raises(SimulationError) as caught:
+        play(*spares, again, "{at: 7s, spare: {job: '99', for: 1m, reason: x}}")
+    assert str(caught.value).startswith(f"s.yaml:{12 + MAX_SPARES + 1}: spare: ")
+    assert f"{MAX_SPARES} spares are in force" in str(caught.value)

@@ -147,8 +147,8 @@ def test_only_http_urls_are_posted_to() -> None:
 
 
 def test_a_refused_url_is_not_written_to_the_log() -> None:
-    """stderr is hook.run's output in the journal; a mistyped URL still holds the token (a
-    Mattermost hook's whole secret is its path): only the scheme is said."""
+    """stderr is ``EventName.HOOK_RUN``'s output in the journal; a mistyped URL still holds the
+    token (a Mattermost hook's whole secret is its path): only the scheme is said."""
     done = run_webhook("htps://mm.example.com/hooks/xq7secret", "gpu17")
     assert done.returncode == 1
     assert "must be http" in done.stderr
@@ -290,8 +290,9 @@ def _helper_examples() -> list[tuple[str, list[str], float]]:
 
 def test_the_docs_show_each_helper_run_with_what_it_reads() -> None:
     """Each documented hook that runs a helper is a valid hook, names the helper where the docs
-    say to copy it, waits for it (so its failure shows in hook.run) and passes through
-    systemd-run every GPUWATCHD_* variable the helper reads: systemd-run passes none unasked."""
+    say to copy it, waits for it (so its failure shows in ``EventName.HOOK_RUN``) and passes
+    through systemd-run every GPUWATCHD_* variable the helper reads: systemd-run passes none
+    unasked."""
     examples = _helper_examples()
     assert {where for where, _, _ in examples} == {
         "policy.md", "operations.md", WEBHOOK.name, TELL_OWNER.name

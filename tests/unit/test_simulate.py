@@ -10,6 +10,7 @@ import time
 import pytest
 
 from gpuwatchd.cli.main import main
+from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.sim.scenario import parse_scenario
 from gpuwatchd.sim.scenario_spec import ScenarioError
 from gpuwatchd.sim.simulation import Simulation, scenario_policy, simulate
@@ -600,8 +601,8 @@ def test_a_pause_is_read_at_the_daemons_next_poll_not_in_the_middle_of_a_reset()
     )
     r = simulate(parse_scenario("s.yaml", text))
     assert r.final["hooks_run"] == 1  # on_failure, run as the daemon would
-    assert [e.t for e in r.entries("daemon.paused")] == [65.0]  # the poll after the reset
-    assert [e.t for e in r.entries("daemon.resumed")] == [100.0]
+    assert [e.t for e in r.entries(EventName.DAEMON_PAUSED)] == [65.0]  # the poll after the reset
+    assert [e.t for e in r.entries(EventName.DAEMON_RESUMED)] == [100.0]
 
 
 def test_a_process_killed_while_stuck_in_d_state_dies_when_it_leaves_it() -> None:

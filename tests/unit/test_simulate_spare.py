@@ -105,11 +105,12 @@ def test_a_spares_reason_is_cut_and_no_more_spares_are_in_force_than_the_command
     """As ``gpuwatchd spare``: its reason is cut to MAX_REASON characters, and a spare of a new
     target while MAX_SPARES are in force is refused (one of a target in force replaces it)."""
     from gpuwatchd.core.checked import MAX_REASON
+    from gpuwatchd.core.vocabulary import EventName
     from gpuwatchd.sim.world import SimulationError
     from gpuwatchd.state.spares import MAX_SPARES
 
     (started,) = play(f"{{at: 5s, spare: {{job: '42', for: 1m, reason: {'x' * 600}}}}}").entries(
-        "spare.started"
+        EventName.SPARE_STARTED
     )
     assert started.fields["reason"] == "x" * MAX_REASON
     spares = [f"{{at: 5s, spare: {{job: '{i}', for: 1m, reason: x}}}}" for i in range(MAX_SPARES)]

@@ -5,7 +5,6 @@ In detail: docs/findings.md ("ties") and docs/internals.md, `gpuwatchd.collect.i
 
 from __future__ import annotations
 
-import itertools
 import os
 import stat
 from collections.abc import Iterable, Mapping
@@ -40,6 +39,9 @@ class InheritanceProbe:
         self._unknown_until: dict[_Pair, int] = {}
         self._polls = 0
         self._reported = False
+        self._walk_left = scanner.thread_table_budget  # fd entries this poll may still read
+        self._cut: int | None = None  # the process whose fds this poll stopped reading
+        self._said: set[int] = set()
 
     def compare(
         self,
@@ -58,6 +60,7 @@ class InheritanceProbe:
             if pid in processes and not processes[pid].is_zombie and pid in holders.holdings
         }
         self._polls += 1
+        self._walk_left, self._cut = self.scanner.thread_table_budget, None
         if self.kcmp.unavailable is not None and not self._reported:
             self._reported = True
             log.warning(EventName.COLLECT_KCMP_UNAVAILABLE, reason=self.kcmp.unavailable)
@@ -77,7 +80,8 @@ class InheritanceProbe:
                 key = (holder.identity, owner.identity, *marks)
                 shared = self._known.get(key)
                 retry = self._unknown_until.get(key, 0) <= self._polls
-                if shared is None and retry and budget > 0 and self.kcmp.unavailable is None:
+                walk = budget > 0 and self._walk_left > 0 and self.kcmp.unavailable is None
+                if shared is None and retry and walk:
                     budget -= 1
                     shared = self._shares(pid, owner.pid, read)
                     if len(self._known) + len(self._unknown_until) >= _MAX_CACHE:
@@ -89,15 +93,27 @@ class InheritanceProbe:
                     else:
                         self._unknown_until[key] = self._polls + _RETRY_UNKNOWN_POLLS
                 found.append(FileSharing(holder=pid, owner=owner.pid, shared=shared))
+        self._say_cut(processes)
         return tuple(found)
+
+    def _say_cut(self, processes: Mapping[int, ProcessInfo]) -> None:
+        """``EventName.COLLECT_INHERITANCE_UNREAD`` once per process whose fds were cut short."""
+        self._said &= processes.keys()  # while it is among the processes
+        cut = None if self._cut is None else processes.get(self._cut)
+        if cut is not None and cut.pid not in self._said:
+            self._said.add(cut.pid)
+            budget = self.scanner.thread_table_budget
+            log.warning(
+                EventName.COLLECT_INHERITANCE_UNREAD, pid=cut.pid, comm=cut.comm, budget=budget
+            )
 
     def _shares(self, holder: int, owner: int, read: dict[int, list[int] | None]) -> bool | None:
         for pid in (holder, owner):
             if pid not in read:
                 read[pid] = self.device_fds(pid)
-        mine, theirs = read[holder], read[owner]
-        if not mine or not theirs:
-            return None  # mappings only, or unreadable: nothing to compare
+            if not read[pid]:
+                return None  # mappings only, unreadable or cut short: nothing to compare
+        mine, theirs = read[holder] or [], read[owner] or []
         unknown = False
         # A forked child keeps the parent's fd numbers: try those pairs first.
         pairs = [(fd, fd) for fd in mine if fd in set(theirs)]
@@ -115,18 +131,24 @@ class InheritanceProbe:
     def device_fds(self, pid: int) -> list[int] | None:
         """The fd numbers of ``pid`` that are NVIDIA device files, the first
         :data:`_MAX_DEVICE_FDS` in the listing's order (the kernel's: by number); None when
-        unreadable. Listed an entry at a time: any user may open half a million fds."""
-        fd_dir = f"{self.root}/{pid}/fd"
+        unreadable, or cut short: any user may open half a million fds, and a poll reads the
+        scanner's ``thread_table_budget`` entries in all (docs/internals.md). An entry at a time."""
+        found: list[int] = []
         try:
-            with os.scandir(fd_dir) as entries:
-                found = (
-                    int(entry.name)
-                    for entry in entries
-                    if entry.name.isascii() and entry.name.isdigit() and self._is_device(entry.path)
-                )
-                return sorted(itertools.islice(found, _MAX_DEVICE_FDS))
+            with os.scandir(f"{self.root}/{pid}/fd") as entries:
+                for entry in entries:
+                    if self._walk_left <= 0:
+                        self._cut = pid
+                        return None
+                    self._walk_left -= 1
+                    name = entry.name
+                    if name.isascii() and name.isdigit() and self._is_device(entry.path):
+                        found.append(int(name))
+                        if len(found) == _MAX_DEVICE_FDS:
+                            break
         except OSError:
             return None
+        return sorted(found)
 
     def _is_device(self, fd_path: str) -> bool:
         """Whether the fd at ``fd_path`` is an NVIDIA device file (False when it closed)."""

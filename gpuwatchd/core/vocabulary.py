@@ -147,6 +147,7 @@ class EventName(_Name):
     # inheritance evidence (collect/inherit.py)
     COLLECT_KCMP_UNAVAILABLE = "collect.kcmp_unavailable"
     COLLECT_THREAD_TABLES_UNREAD = "collect.thread_tables_unread"  # collect/holders.py budget
+    COLLECT_INHERITANCE_UNREAD = "collect.inheritance_unread"  # inherit.py: a poll's budget
     # the kernel log's Xids (collect/kernel_log.py)
     KERNEL_LOG_UNAVAILABLE = "kernel_log.unavailable"
     KERNEL_LOG_DROPPED = "kernel_log.dropped"

@@ -367,6 +367,9 @@ COLLECT_KCMP_UNAVAILABLE WARNING: reason
 COLLECT_THREAD_TABLES_UNREAD WARNING: pid comm budget
     {process} has more threads with file tables of their own than a scan reads ({budget}
     descriptors): what it holds is unknown, so it blocks resets and is never a target.
+COLLECT_INHERITANCE_UNREAD WARNING: pid comm budget
+    The inheritance check stopped reading the file descriptors of {process} (a poll reads
+    {budget}): whether it holds a context owner's own GPU files is unknown for now.
 STATE_BOOT_CHANGED INFO: old new dropped_ladders
     The machine rebooted: {dropped_ladders:=0} escalation(s) of the old boot are dropped.
 DAEMON_DEVICE_WATCH_UNAVAILABLE WARNING: reason consequence

@@ -16,12 +16,14 @@ import tracemalloc
 from collections.abc import Iterator
 
 import pytest
+from structlog.testing import capture_logs
 
 from gpuwatchd.collect.inherit import InheritanceProbe, absent_leaders
 from gpuwatchd.collect.jobs import scheduler_ended_job
 from gpuwatchd.collect.kcmp import Kcmp
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.core.model import MIB, FindingKind, HolderScan, ProcessIdentity, Snapshot
+from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.floor import driver_refusers, reset_blockers
@@ -177,6 +179,56 @@ def test_a_table_of_many_fds_is_listed_an_entry_at_a_time_and_its_device_fds_cap
     assert set(capped) <= set(range(3, 203))
     assert capped == sorted(capped)
     assert probe.device_fds(742) is None  # no such process: unreadable
+
+
+class _OwnFiles(Kcmp):
+    """kcmp as it answers for a spawn/forkserver worker: no fd is the owner's."""
+
+    def same_file(self, pid1: int, fd1: int, pid2: int, fd2: int) -> bool | None:
+        return False
+
+
+def test_a_poll_reads_a_bounded_number_of_fds_and_a_table_cut_short_is_unknown(
+    fake: FakeProc, devices: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any user may open half a million fds in each of many holders below a live owner, and
+    each new pair read them all (a readlink each, a stat for each /dev/ link). A poll now reads
+    the holder scan's thread-table budget of fd entries in all: a table cut short is no "only
+    its own files" (kcmp False on the fds read) but unknown, said once however often it is
+    asked again; the pairs after it wait for the next poll, which reads them."""
+    node = str(devices / "nvidia0")
+    fake.add(750, fds={3: node, 4: node})  # the live context owner
+    fake.add(751, ppid=750, fds={3: node})  # a flood below it: its device fd, then 5,000 more
+    for fd in range(4, 5004):
+        fake.open_fd(751, fd, "/dev/null")
+    fake.add(752, ppid=750, fds={3: node, 4: "/home/u/f"})  # a worker, after it
+    procfs = ProcFS(str(fake.root), devices_dir=str(devices))
+    procfs.holders.thread_table_budget = 1000
+    scan = procfs.holders.scan([750, 751, 752])
+    processes = procfs.read_processes([750, 751, 752])
+    probe = InheritanceProbe(procfs.holders, str(fake.root), _OwnFiles())
+    reads: list[str] = []
+    readlink = os.readlink
+
+    def counted(path: str, *args: object, **kwargs: object) -> str:
+        reads.append(path)
+        return readlink(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "readlink", counted)
+    polls: list[dict[int, bool | None]] = []
+    walked: list[int] = []
+    with capture_logs() as logs:
+        for _ in range(13):  # the 13th asks the unknown pair again
+            reads.clear()
+            answers = probe.compare(processes, scan, [750], {})
+            polls.append({a.holder: a.shared for a in answers})
+            walked.append(len(reads))
+    assert polls[0] == {751: None, 752: None}  # cut short: unknown; 752 waits
+    assert all(answers == {751: None, 752: False} for answers in polls[1:]), polls
+    assert max(walked) <= 1000, walked
+    assert walked[12] > 900, walked  # read again, cut short again, not said again
+    said = [e for e in logs if e["event"] == EventName.COLLECT_INHERITANCE_UNREAD]
+    assert [(e["pid"], e["budget"], e["log_level"]) for e in said] == [(751, 1000, "warning")]
 
 
 def test_unknown_when_kcmp_is_refused() -> None:

@@ -43,6 +43,12 @@ _UNLISTED = "NVML could not list its processes"
 _NO_MINOR = "its minor number is unknown: who holds its device file cannot be told"
 _MIG_UNKNOWN = "its MIG mode could not be read: processes may live in MIG instances not listed"
 _MIG_UNREAD = "its MIG instances could not all be read: processes may live in those not listed"
+# What the GPU itself says: dirt even while the host's processes are not seen.
+_GPU_FACTS = frozenset(
+    {kind.value for kind in kinds.HEALTH}
+    | {LeftoverName.LOST.value, LeftoverName.MIG_UNFINISHED.value}
+)
+_UNSEEN = "not in the host PID/cgroup namespaces, or cannot tell: its holders may not be seen"
 # What may go away without anyone acting (a dead context torn down, a zombie reaped).
 SETTLING = frozenset(
     {kind.value for kind in kinds.SETTLING}
@@ -352,10 +358,15 @@ class _Judge:
         for gpu in self.gpus:
             self.add_memory(gpu)
         result = []
+        blind = self.snapshot.host_namespaces is not True
         for gpu in self.gpus:
             reasons = self.reasons[gpu.uuid]
             dirt = [r for r in reasons if r.kind not in _UNKNOWN_KINDS]
             unknown = [r for r in reasons if r.kind in _UNKNOWN_KINDS]
+            unseen = [r for r in dirt if blind and r.kind not in _GPU_FACTS]
+            if unseen:  # about processes (or memory) this scan may not see: unknown, not dirt
+                dirt = [r for r in dirt if r.kind in _GPU_FACTS]
+                unknown = [Reason(LeftoverName.UNKNOWN_HOLDER, None, _UNSEEN), *unseen, *unknown]
             state = (
                 Cleanliness.DIRTY if dirt else Cleanliness.UNKNOWN if unknown else Cleanliness.CLEAN
             )

@@ -481,6 +481,45 @@ def test_dirt_outranks_unknown() -> None:
     assert kinds(gpu)[-1] == "unreadable"
 
 
+@pytest.mark.parametrize("namespaces", [False, None])
+def test_memory_no_visible_process_holds_is_unknown_while_the_hosts_processes_are_unseen(
+    namespaces: bool | None,
+) -> None:
+    """Outside the host PID namespace (False), or unable to tell (None), the scan does not see
+    the host's processes and NVML's PIDs point elsewhere: memory no visible process holds, and
+    a listed PID missing from /proc, prove no holder dead. Not dirty, not clean: unknown, and
+    that is said first. An idle GPU is still clean, a lost one still dirty."""
+    builder = HostBuilder(host_namespaces=namespaces).gpu(0, allocated=LEAK).nvml(0, 4242)
+    verdict = verdict_of(builder.gpu(1).gpu(2, lost=True).build())
+    assert states(verdict) == ["unknown", "clean", "dirty"]
+    assert verdict.clean is False
+    unseen = verdict.gpus[0]
+    assert kinds(unseen) == ["unknown_holder", "dead_process", "ghost_memory"]
+    assert unseen.reasons[0].pid is None
+    assert "host PID/cgroup namespaces" in unseen.reasons[0].text
+    assert kinds(verdict.gpus[2]) == ["lost"]
+
+
+@pytest.mark.parametrize("namespaces", [False, None])
+def test_while_the_hosts_processes_are_unseen_only_what_the_gpu_itself_says_is_dirt(
+    namespaces: bool | None,
+) -> None:
+    """An orphan's owner missing from /proc may live on the host: unknown. The driver asking
+    for a reset, or a MIG recovery left half done, is dirt whatever can be seen."""
+    snapshot = replace(orphaned_worker().gpu(2).build(), host_namespaces=namespaces)
+    assessment = assess(snapshot, AssessState(boot_id=snapshot.boot_id), POLICY.detection)
+    health = _about(FindingKind.RESET_REQUIRED, gpu_uuid(0), None)
+    assessment = replace(assessment, findings=(*assessment.findings, health))
+    verdict = judge(snapshot, assessment, POLICY, unfinished={gpu_uuid(1): "half done"})
+    assert states(verdict) == ["dirty", "dirty", "clean"]
+    assert kinds(verdict.gpus[0]) == [
+        "reset_required", "unknown_holder", "dead_process", "orphaned", "unaccounted_memory"
+    ]  # fmt: skip
+    assert kinds(verdict.gpus[1]) == ["mig_unfinished"]
+    alone = verdict_of(snapshot)
+    assert states(alone) == ["unknown", "clean", "clean"]
+
+
 @pytest.mark.parametrize(
     ("reading", "why"),
     [

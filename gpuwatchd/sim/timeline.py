@@ -53,7 +53,7 @@ class Entry:
 
 @dataclass
 class SimulationResult:
-    """The timeline and the final state of one run."""
+    """The timeline and the final state of one run, and the run's names for the summary."""
 
     scenario: Scenario
     policy: Policy
@@ -61,6 +61,7 @@ class SimulationResult:
     timeline: list[Entry]
     final: dict[str, object]
     polls: int
+    names: Names
 
     def entries(self, name: str) -> list[Entry]:
         return [e for e in self.timeline if e.name == name]
@@ -136,22 +137,6 @@ _COLUMN = {
 }
 
 
-class _ScenarioNames:
-    """Names for the final summary, from the result (the run's world is gone): a PID is the
-    last process started with it."""
-
-    def __init__(self, result: SimulationResult) -> None:
-        self.procs = {p["pid"]: p["name"] for p in result.final["processes"]}  # type: ignore[attr-defined]
-        self.gpus = {g.uuid: f"GPU {g.index}" for g in result.scenario.gpus}
-
-    def pname(self, pid: object) -> str:
-        name = self.procs.get(pid) if isinstance(pid, int) else None
-        return f"pid {pid} ({name})" if name else f"pid {pid}"
-
-    def gname(self, uuid: object) -> str:
-        return self.gpus.get(str(uuid), str(uuid))
-
-
 def _same_unit(value: object, suffix: str = "") -> str:
     """``value`` in MiB at any size: the summary never mixes "2.0 GiB" with "4 MiB"."""
     text = f"{value // MIB:,} MiB" if isinstance(value, int) else size_text(value)
@@ -161,7 +146,7 @@ def _same_unit(value: object, suffix: str = "") -> str:
 def render_text(result: SimulationResult) -> str:
     """The timeline for people: a header, one line per entry, the final state."""
     scenario, policy = result.scenario, result.policy
-    names = TimelineNamer(_ScenarioNames(result))
+    names = TimelineNamer(result.names)
     lines = [
         f"simulate {scenario.path}: {len(scenario.gpus)} GPU(s), "
         f"{len(scenario.processes)} process(es), {scenario.duration:g}s, "

@@ -70,6 +70,12 @@ class ReaderBase:
                 raise where.error(f"unknown field{hint}; known: {', '.join(keys)}")
         return node
 
+    def required(self, m: Map, key: str, what: str = "") -> Node:
+        """``m``'s ``key``, refused where it is absent (``what``: what to write there)."""
+        if (node := m.entries.get(key)) is None:
+            raise m.error(f"missing required field '{key}'{what}", join_key(m.path, key))
+        return node
+
     def string(self, node: Node) -> str:
         value = scalar(node)
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
@@ -77,7 +83,6 @@ class ReaderBase:
         return str(value)
 
     def flag(self, node: Node | None, default: bool) -> bool:
-        """An optional true/false key: ``default`` when absent."""
         return default if node is None else BOOL.read(node)
 
     def integer(self, node: Node, minimum: int = 0) -> int:
@@ -209,13 +214,9 @@ class GpuReader(ReaderBase):
         for item in items_of(m.entries["instances"]) if "instances" in m.entries else []:
             im = self.mapping(item, keys_of(MigInstanceSpec))
             get = im.entries.get
-            if (n := get("gi")) is None:
-                raise im.error(
-                    "missing required field 'gi' (the GPU instance id)", join_key(im.path, "gi")
-                )
-            gi = self.integer(n)
+            gi = self.integer(gi_node := self.required(im, "gi", " (the GPU instance id)"))
             if gi > 14:
-                raise n.error("a GPU instance id is 0 to 14")
+                raise gi_node.error("a GPU instance id is 0 to 14")
             profile = self.string(n) if (n := get("profile")) is not None else "1g.10gb"
             if not _PROFILE.fullmatch(profile):
                 raise (get("profile") or im).error(f"not a MIG profile name: {shown(profile)}")

@@ -43,6 +43,7 @@ from gpuwatchd.sim.scenario_spec import (
     ScenarioError,
     keys_of,
 )
+from gpuwatchd.state.spares import parse_target
 
 _TOP_KEYS = keys_of(Scenario, but=("path",))  # the file's keys are its fields
 
@@ -361,8 +362,6 @@ class _Reader(GpuReader):
     def spare(self, node: Node, at: float, line: int) -> EventSpec:
         """``spare: {process: NAME | job: ID, for: DURATION, reason: TEXT}``: as ``gpuwatchd
         spare PID|job:ID --for DURATION --reason TEXT`` at that moment."""
-        from gpuwatchd.state.spares import parse_target
-
         sm = self.mapping(node, ("process", "job", "for", "reason"))
         who = [k for k in ("process", "job") if k in sm.entries]
         reason = self.string(sm.entries["reason"])[:MAX_REASON] if "reason" in sm.entries else ""

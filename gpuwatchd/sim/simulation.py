@@ -115,8 +115,6 @@ def _check_playable(scenario: Scenario, policy: Policy) -> None:
 
 
 class Simulation:
-    """One run of a scenario. Construct, then :meth:`run`."""
-
     def __init__(self, scenario: Scenario, policy: Policy, policy_source: str = "") -> None:
         self.scenario = scenario
         # The policy the run plays under: the scenario's interval, if it has one, is its own.
@@ -172,7 +170,7 @@ class Simulation:
         if not isinstance(pid, int):
             return "pid ?"
         # The last process started with the PID: the one that has it now, if any.
-        proc = next((p for p in reversed(self.world.history) if p.pid == pid), None)
+        proc = next((p for p in reversed(self.world.history.values()) if p.pid == pid), None)
         return f"pid {pid} ({proc.name})" if proc else f"pid {pid}"
 
     def gname(self, uuid: object) -> str:
@@ -243,10 +241,8 @@ class Simulation:
             return
         identity = ProcessIdentity(proc.pid, proc.start_ticks)
         notes = self.world.exit(proc, self.now, why)
-        text = f"{proc.name} (pid {proc.pid}) exited ({why})"
-        self.happened(
-            TimelineEvent.EXIT, "; ".join([text, *notes]), process=proc.name, pid=proc.pid
-        )
+        said = "; ".join([f"{proc.name} (pid {proc.pid}) exited ({why})", *notes])
+        self.happened(TimelineEvent.EXIT, said, process=proc.name, pid=proc.pid)
         if identity in self.watched:
             self.watched.discard(identity)
             self.exited.append(identity)
@@ -270,11 +266,10 @@ class Simulation:
         self._apply_to_gpu(event)
 
     def _apply_to_process(self, event: EventSpec) -> None:
-        """A process's step: it exits, starts, changes state, or is reaped (a zombie)."""
         world = self.world
         action = event.action
         if action == "exit" and event.target is not None:
-            proc = world.by_name(event.target)
+            proc = world.history.get(event.target)
             if proc is not None and proc.alive:
                 self.exit_process(proc, "scenario: exit")
         elif action == "start" and event.process is not None:
@@ -285,7 +280,7 @@ class Simulation:
             if spec.exits_at is not None:
                 self.exit_later(proc, spec.exits_at, "exits_at")
         elif action == "state" and event.target is not None and event.value is not None:
-            proc = world.by_name(event.target)
+            proc = world.history.get(event.target)
             if proc is not None and proc.alive:
                 proc.state = event.value
                 said = f"{proc.name} (pid {proc.pid}) is now in state {event.value}"
@@ -295,14 +290,12 @@ class Simulation:
                 if event.value != "D" and any(s == "SIGKILL" for _, s, _ in proc.signals):
                     self.exit_later(proc, 0, "killed by SIGKILL, pending while in D state")
         elif action == "reap" and event.target is not None:
-            proc = world.by_name(event.target)
+            proc = world.history.get(event.target)
             if proc is not None and proc.present and not proc.alive:
                 world.reap(proc)
                 self.happened(TimelineEvent.REAP, f"zombie {proc.name} was reaped", pid=proc.pid)
 
     def _apply_to_gpu(self, event: EventSpec) -> None:
-        """A GPU's step: its allocated memory, a leak on exit, the next reset's result, an Xid,
-        a health reading."""
         world = self.world
         action = event.action
         gpu = None if event.gpu is None else world.gpus[event.gpu]  # set_memory, xid, health
@@ -325,10 +318,8 @@ class Simulation:
             self.happened(TimelineEvent.XID, said, gpu=gpu.spec.uuid, xid=event.xid)
         elif action == "health" and gpu is not None and event.health is not None:
             gpu.health = dataclasses.replace(gpu.health, **event.health)  # type: ignore[arg-type]
-            said = ", ".join(f"{k}={v}" for k, v in event.health.items())
-            self.happened(
-                TimelineEvent.HEALTH, f"GPU {event.gpu}: {said}", gpu=gpu.spec.uuid, **event.health
-            )
+            said = f"GPU {event.gpu}: " + ", ".join(f"{k}={v}" for k, v in event.health.items())
+            self.happened(TimelineEvent.HEALTH, said, gpu=gpu.spec.uuid, **event.health)
 
     def react(self, proc: WorldProc, signal: str) -> None:
         spec = proc.spec
@@ -382,7 +373,7 @@ class Simulation:
                 "exit_why": proc.exit_why,
                 "signals": [{"t": t, "signal": s} for t, s, _ in proc.signals],
             }
-            for proc in world.history
+            for proc in world.history.values()
         ]
         standing = self.engine.standing()  # as the last poll and the exits since left it
         findings = [f.key for f in standing.assessment.findings] if standing.assessment else []
@@ -392,7 +383,7 @@ class Simulation:
             "gpus": gpus,
             "processes": processes,
             "open_findings": findings,
-            "signals_delivered": sum(len(p.signals) for p in world.history),
+            "signals_delivered": sum(len(p.signals) for p in world.history.values()),
             "resets": [
                 {"t": e.t, "gpu": e.fields["gpu"], "result": e.fields["result"]}
                 for e in self.timeline
@@ -548,10 +539,8 @@ class VirtualHost:
             return self.reset(args, gpu, bus, timeout)
         if what in ("persistence_off", "persistence_on"):
             gpu.persistence = what == "persistence_on"
-            state = "Enabled" if gpu.persistence else "Disabled"
-            return CommandResult(
-                args, 0, f"{state} persistence mode for GPU {bus}.", False, 0.1, None
-            )
+            said = f"{'Enabled' if gpu.persistence else 'Disabled'} persistence mode for GPU {bus}."
+            return CommandResult(args, 0, said, False, 0.1, None)
         return CommandResult(args, 0, "", False, 0.2, None)  # the health query
 
     def mig_command(self, argv: tuple[str, ...]) -> CommandResult:

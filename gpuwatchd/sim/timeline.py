@@ -47,7 +47,7 @@ class Entry:
             "event": self.name,
             "level": self.level,
             "text": self.text,
-            "fields": _jsonable(dict(self.fields)),
+            "fields": _jsonable(self.fields),
         }
 
 

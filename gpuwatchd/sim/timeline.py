@@ -137,10 +137,9 @@ _COLUMN = {
 }
 
 
-def _same_unit(value: object, suffix: str = "") -> str:
+def _same_unit(value: object) -> str:
     """``value`` in MiB at any size: the summary never mixes "2.0 GiB" with "4 MiB"."""
-    text = f"{value // MIB:,} MiB" if isinstance(value, int) else size_text(value)
-    return f"{text} {suffix}" if suffix else text
+    return f"{value // MIB:,} MiB" if isinstance(value, int) else size_text(value)
 
 
 def render_text(result: SimulationResult) -> str:
@@ -167,7 +166,7 @@ def render_text(result: SimulationResult) -> str:
     for gpu in final["gpus"]:  # type: ignore[attr-defined]
         lost = ", LOST" if gpu["lost"] else ""
         lines.append(
-            f"  GPU {gpu['index']}: {_same_unit(gpu['allocated'], 'allocated')} "
+            f"  GPU {gpu['index']}: {_same_unit(gpu['allocated'])} allocated "
             f"(idle {_same_unit(gpu['idle'])}){lost}"
         )
     for proc in final["processes"]:  # type: ignore[attr-defined]

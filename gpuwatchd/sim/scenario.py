@@ -43,6 +43,7 @@ from gpuwatchd.sim.scenario_spec import (
     ScenarioError,
     keys_of,
 )
+from gpuwatchd.state.spares import parse_target
 
 _TOP_KEYS = keys_of(Scenario, but=("path",))  # the file's keys are its fields
 
@@ -80,14 +81,6 @@ def parse_scenario(path: str, text: str) -> Scenario:
         raise ScenarioError(err.message, path=path, line=err.line, key=err.key) from None
 
 
-def _check_below(node: Node, pid: int, pid_max: int) -> int:
-    """``pid``, refused at ``node`` unless below ``pid_max``, as the kernel gives PIDs (the
-    daemon takes NVML's listing of any other for an invalid PID)."""
-    if pid >= pid_max:
-        raise node.error(f"PID {pid} is not below host.pid_max ({pid_max}); no process has it")
-    return pid
-
-
 def _policy_text(text: str) -> str:
     """The inline ``policy:`` value of a scenario that has one as its own YAML document, on
     the same lines as in the file (so a policy error names the scenario's own line numbers)."""
@@ -107,18 +100,14 @@ class _Reader(GpuReader):
     def scenario(self, root: Map) -> Scenario:
         top = self.mapping(root, _TOP_KEYS)
         get = top.entries.get
-        duration_node = get("duration")
-        if duration_node is None:
-            raise root.error("missing required field 'duration' (e.g. '10m')", "duration")
+        duration_node = self.required(top, "duration", " (e.g. '10m')")
         duration = self.duration(duration_node)
         if duration <= 0:
             raise duration_node.error("must be longer than 0s")
         interval = INTERVAL.read(n) if (n := get("interval")) is not None else None
         description = self.string(d) if (d := get("description")) is not None else ""
         host = self.host(get("host"))
-        gpus_node = get("gpus")
-        if gpus_node is None:
-            raise root.error("missing required field 'gpus' (a list of GPUs)", "gpus")
+        gpus_node = self.required(top, "gpus", " (a list of GPUs)")
         gpu_nodes = items_of(gpus_node)
         gpus = tuple(self.gpu(n, i) for i, n in enumerate(gpu_nodes))
         if not gpus:
@@ -162,9 +151,7 @@ class _Reader(GpuReader):
         written: dict[int, str] = {}  # PID -> the listed process written with it
         for position, node in enumerate([*listed, *started]):
             m = self.mapping(node, _PROCESS_KEYS)
-            name_node = m.entries.get("name")
-            if name_node is None:
-                raise m.error("missing required field 'name'", join_key(m.path, "name"))
+            name_node = self.required(m, "name")
             name = self.string(name_node)
             if not name:
                 raise name_node.error("a process name cannot be empty")
@@ -196,7 +183,10 @@ class _Reader(GpuReader):
         m = self.mapping(node, _PROCESS_KEYS)
         get = m.entries.get
         name = self.string(m.entries["name"])
-        pid = _check_below(get("pid") or m.entries["name"], self.names[name], self.pid_max)
+        pid = self.names[name]
+        if pid >= self.pid_max:  # as the kernel gives PIDs (NVML's listing of another: invalid)
+            where, most = get("pid") or m.entries["name"], self.pid_max
+            raise where.error(f"PID {pid} is not below host.pid_max ({most}); no process has it")
         ppid = self.ref(n) if (n := get("ppid")) is not None else 1
         pgid = self.ref(n) if (n := get("pgid")) is not None else pid
         sid = self.ref(n) if (n := get("sid")) is not None else pgid
@@ -205,7 +195,11 @@ class _Reader(GpuReader):
         command = self.command(get("command"), name)
         comm = self.string(n) if (n := get("comm")) is not None else command[0].rsplit("/", 1)[-1]
         exe = self.string(n) if (n := get("exe")) is not None else None
-        exe_trusted = self.exe_trusted(get("exe_trusted"), exe or command[0])
+        # Its program is where the admin installs programs, unless the scenario says (null:
+        # it cannot be read).
+        exe_trusted: bool | None = (exe or command[0]).startswith(_SYSTEM_PROGRAM_DIRS)
+        if (n := get("exe_trusted")) is not None:
+            exe_trusted = None if scalar(n) is None else BOOL.read(n)
         cgroup = self.cgroup(get("cgroup"), uid)
         state = self.choice(n, ("R", "S", "D", "Z", "T")) if (n := get("state")) else "S"
         holds = self.holds(get("holds"))
@@ -241,13 +235,6 @@ class _Reader(GpuReader):
             exe_trusted=exe_trusted,
             line=m.line,
         )
-
-    def exe_trusted(self, node: Node | None, program: str) -> bool | None:
-        """A process's ``exe_trusted`` (null: unknown); by default, whether ``program`` (its
-        exe, else its command's first word) is where the admin installs programs."""
-        if node is not None:
-            return None if scalar(node) is None else BOOL.read(node)
-        return program.startswith(_SYSTEM_PROGRAM_DIRS)
 
     def cgroup(self, node: Node | None, uid: int) -> str:
         """A process's cgroup path, starting with '/' (by default a user session's of ``uid``)."""
@@ -375,8 +362,6 @@ class _Reader(GpuReader):
     def spare(self, node: Node, at: float, line: int) -> EventSpec:
         """``spare: {process: NAME | job: ID, for: DURATION, reason: TEXT}``: as ``gpuwatchd
         spare PID|job:ID --for DURATION --reason TEXT`` at that moment."""
-        from gpuwatchd.state.spares import parse_target
-
         sm = self.mapping(node, ("process", "job", "for", "reason"))
         who = [k for k in ("process", "job") if k in sm.entries]
         reason = self.string(sm.entries["reason"])[:MAX_REASON] if "reason" in sm.entries else ""

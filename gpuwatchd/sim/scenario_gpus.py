@@ -70,6 +70,12 @@ class ReaderBase:
                 raise where.error(f"unknown field{hint}; known: {', '.join(keys)}")
         return node
 
+    def required(self, m: Map, key: str, what: str = "") -> Node:
+        """``m``'s ``key``, refused where it is absent (``what``: what to write there)."""
+        if (node := m.entries.get(key)) is None:
+            raise m.error(f"missing required field '{key}'{what}", join_key(m.path, key))
+        return node
+
     def string(self, node: Node) -> str:
         value = scalar(node)
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
@@ -77,7 +83,6 @@ class ReaderBase:
         return str(value)
 
     def flag(self, node: Node | None, default: bool) -> bool:
-        """An optional true/false key: ``default`` when absent."""
         return default if node is None else BOOL.read(node)
 
     def integer(self, node: Node, minimum: int = 0) -> int:
@@ -117,15 +122,11 @@ class GpuReader(ReaderBase):
         if node is None:
             return HostSpec()
         m = self.mapping(node, keys_of(HostSpec))
-        spec = HostSpec()
-        namespaces = spec.host_namespaces
-        if (n := m.entries.get("host_namespaces")) is not None:
-            value = scalar(n)
-            if value is not None and not isinstance(value, bool):
-                raise n.error("expected true, false or null (unknown)")
-            namespaces = value
+        namespaces = scalar(n) if (n := m.entries.get("host_namespaces")) else True
+        if not isinstance(namespaces, (bool, type(None))):
+            raise m.entries["host_namespaces"].error("expected true, false or null (unknown)")
         mps = BOOL.read(n) if (n := m.entries.get("mps_server_running")) else False
-        pid_max = self.integer(n, 1) if (n := m.entries.get("pid_max")) else spec.pid_max
+        pid_max = self.integer(n, 1) if (n := m.entries.get("pid_max")) else HostSpec.pid_max
         if n is not None and pid_max > MAX_PID:  # a start time sorts by PID (world.py)
             raise n.error(f"at most {MAX_PID}, the kernel's largest pid_max; got {pid_max}")
         ended: set[str] = set()
@@ -168,14 +169,19 @@ class GpuReader(ReaderBase):
         m = self.mapping(node, _GPU_KEYS)
         get = m.entries.get
         index = self.integer(n) if (n := get("index")) is not None else position
-        uuid = self.string(n) if (n := get("uuid")) is not None else _default_uuid(index)
+        uuid = f"GPU-{index:08x}-0000-4000-8000-{index:012x}"
+        if (n := get("uuid")) is not None:
+            uuid = self.string(n)
         if not uuid.startswith("GPU-"):
             raise (get("uuid") or m).error("a GPU UUID starts with 'GPU-'")
         self.nvml_value(get("uuid") or m, "uuid", uuid)
         name = self.string(n) if (n := get("name")) is not None else "NVIDIA H100 80GB HBM3"
-        bus = self.string(n) if (n := get("pci_bus_id")) is not None else _default_bus(index)
-        if n is not None and not isinstance(scalar(n), str):  # YAML 1.1: 17:00.0 is base 60
-            raise n.error(f"YAML read a number ({shown(scalar(n))}): quote a PCI bus id")
+        # Bus 17, 27, ... F7, 07 of PCI domain 0 for the first 16 GPUs; of domain 1, 2, ... next.
+        bus = f"{index // 16:08X}:{(0x17 + 0x10 * index) % 256:02X}:00.0"
+        if (n := get("pci_bus_id")) is not None:
+            bus = self.string(n)
+            if not isinstance(scalar(n), str):  # YAML 1.1: 17:00.0 is base 60
+                raise n.error(f"YAML read a number ({shown(scalar(n))}): quote a PCI bus id")
         self.nvml_value(get("pci_bus_id") or m, "pci_bus_id", bus)
         minor = self.integer(n) if (n := get("minor")) is not None else index
         memory = {"total": 80 * GIB, "allocated": 4 * MIB, "reserved": 512 * MIB, "leaked": 0}
@@ -184,9 +190,7 @@ class GpuReader(ReaderBase):
             memory |= {key: self.size(entries[key]) for key in tuple(memory) if key in entries}
             if memory["allocated"] + memory["leaked"] + memory["reserved"] > memory["total"]:
                 raise mem.error("allocated + leaked + reserved is more than total")
-        instances: tuple[MigInstanceSpec, ...] = ()
-        if isinstance(n := get("mig"), Map):
-            instances = self.mig_instances(n)
+        instances = self.mig_instances(n) if isinstance(n := get("mig"), Map) else ()
         return GpuSpec(
             index=index,
             uuid=uuid,
@@ -209,13 +213,9 @@ class GpuReader(ReaderBase):
         for item in items_of(m.entries["instances"]) if "instances" in m.entries else []:
             im = self.mapping(item, keys_of(MigInstanceSpec))
             get = im.entries.get
-            if (n := get("gi")) is None:
-                raise im.error(
-                    "missing required field 'gi' (the GPU instance id)", join_key(im.path, "gi")
-                )
-            gi = self.integer(n)
+            gi = self.integer(gi_node := self.required(im, "gi", " (the GPU instance id)"))
             if gi > 14:
-                raise n.error("a GPU instance id is 0 to 14")
+                raise gi_node.error("a GPU instance id is 0 to 14")
             profile = self.string(n) if (n := get("profile")) is not None else "1g.10gb"
             if not _PROFILE.fullmatch(profile):
                 raise (get("profile") or im).error(f"not a MIG profile name: {shown(profile)}")
@@ -248,36 +248,21 @@ class GpuReader(ReaderBase):
         """The fields that the checked ``health`` mapping of a GPU or of an event sets."""
         found: dict[str, object] = {}
         for key, value in entries.items():
-            if key == "recovery_action":
+            if key in ("recovery_action", "fabric"):  # by name or null; an action also 0-255
+                names = RECOVERY_ACTIONS if key == "recovery_action" else FABRIC_STATES
                 raw = scalar(value)
-                if isinstance(raw, str) and raw in RECOVERY_ACTIONS:
-                    found[key] = RECOVERY_ACTIONS.index(raw)
-                elif isinstance(raw, int) and not isinstance(raw, bool) and 0 <= raw <= 255:
+                number = isinstance(raw, int) and not isinstance(raw, bool) and 0 <= raw <= 255
+                if raw is None or (number and key == "recovery_action"):
                     found[key] = raw
-                elif raw is None:
-                    found[key] = None
+                elif raw in names:
+                    found[key] = names.index(str(raw))
                 else:
-                    raise value.error(
-                        f"expected 0-255 or one of {', '.join(RECOVERY_ACTIONS)} or null"
-                    )
+                    also = "0-255 or " if key == "recovery_action" else ""
+                    raise value.error(f"expected {also}one of {', '.join(names)} or null")
             elif key == "retired_pages_pending" and scalar(value) is None:
                 found[key] = None
-            elif key == "fabric":
-                raw = scalar(value)
-                if raw is not None and raw not in FABRIC_STATES:
-                    raise value.error(f"expected one of {', '.join(FABRIC_STATES)} or null")
-                found[key] = None if raw is None else FABRIC_STATES.index(str(raw))
             elif key == "fabric_after_reset":
                 found[key] = None if scalar(value) == "never" else self.duration(value)
             else:
                 found[key] = BOOL.read(value)
         return found
-
-
-def _default_uuid(index: int) -> str:
-    return f"GPU-{index:08x}-0000-4000-8000-{index:012x}"
-
-
-def _default_bus(index: int) -> str:
-    """Bus 17, 27, ... F7, 07 of PCI domain 0 for the first 16 GPUs; of domain 1, 2, ... next."""
-    return f"{index // 16:08X}:{(0x17 + 0x10 * index) % 256:02X}:00.0"

@@ -61,8 +61,6 @@ class ScenarioError(ConfigError):
 
 @dataclass(frozen=True)
 class HostSpec:
-    """Node-wide facts: whether the daemon sees the host namespaces, an MPS server, pid_max."""
-
     host_namespaces: bool | None = True
     mps_server_running: bool = False
     pid_max: int = 4194304

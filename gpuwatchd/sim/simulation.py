@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
-from collections.abc import Mapping, Sequence
-from typing import cast
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 
 from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.act.signals import SignalResult
@@ -114,22 +114,7 @@ def _check_playable(scenario: Scenario, policy: Policy) -> None:
             )
 
 
-def _refuse_past_max_spares(
-    scenario: Scenario, event: EventSpec, spares: Mapping[str, Spare], new: Spare, wall: float
-) -> None:
-    """SimulationError for the spare ``new`` of a new target while MAX_SPARES are in force at
-    ``wall``, which ``gpuwatchd spare`` refuses (one of a target in force replaces it)."""
-    in_force = {s.target for s in spares.values() if s.until > wall}
-    if len(in_force) >= MAX_SPARES and new.target not in in_force:
-        raise SimulationError(
-            f"{scenario.path}:{event.line}: spare: {MAX_SPARES} spares are in force, the most "
-            "the daemon honours at once: 'gpuwatchd spare' refuses another"
-        )
-
-
 class Simulation:
-    """One run of a scenario. Construct, then :meth:`run`."""
-
     def __init__(self, scenario: Scenario, policy: Policy, policy_source: str = "") -> None:
         self.scenario = scenario
         # The policy the run plays under: the scenario's interval, if it has one, is its own.
@@ -141,7 +126,7 @@ class Simulation:
         self.polls = 0
         self.watched: set[ProcessIdentity] = set()  # the daemon's kept pidfds
         self.exited: list[ProcessIdentity] = []  # watched exits not yet reported
-        self.queue: list[tuple[float, int, str, object]] = []
+        self.queue: list[tuple[float, int, Callable[[], None]]] = []
         self.seq = itertools.count()
         self.during: dict[str, list[EventSpec]] = {}  # reset step -> its events, fired once
         self.spares: dict[str, Spare] = {}  # `spare` events: read by the daemon at each poll
@@ -151,10 +136,10 @@ class Simulation:
             if event.during is not None:
                 self.during.setdefault(event.during, []).append(event)
             else:
-                self.schedule(event.at, "event", event)
+                self.schedule(event.at, partial(self.apply, event))
         for spec in scenario.processes:
             if spec.exits_at is not None:
-                self.schedule(spec.exits_at, "exit", (spec.name, "exits_at", None))
+                self.exit_later(self.world.procs[spec.pid], spec.exits_at, "exits_at")
         self.gpu_names = {g.uuid: f"GPU {g.index}" for g in scenario.gpus}
         host = VirtualHost(self)
         self.engine = Engine(
@@ -167,12 +152,11 @@ class Simulation:
             sleep=self.sleep,
         )
 
-    def schedule(self, at: float, kind: str, payload: object) -> None:
-        heapq.heappush(self.queue, (at, next(self.seq), kind, payload))
+    def schedule(self, at: float, happening: Callable[[], None]) -> None:
+        heapq.heappush(self.queue, (at, next(self.seq), happening))
 
     def exit_later(self, proc: WorldProc, delay: float, why: str) -> None:
-        """``proc`` exits ``delay`` seconds from now, unless its PID is another process then."""
-        self.schedule(self.now + delay, "exit", (proc.name, why, proc.start_ticks))
+        self.schedule(self.now + delay, partial(self.exit_process, proc, why))
 
     def add(self, name: str, level: Level, text: str, **fields: object) -> None:
         """A timeline entry; its sentence escaped, as the journal's is (the scenario's names)."""
@@ -186,7 +170,7 @@ class Simulation:
         if not isinstance(pid, int):
             return "pid ?"
         # The last process started with the PID: the one that has it now, if any.
-        proc = next((p for p in reversed(self.world.history) if p.pid == pid), None)
+        proc = next((p for p in reversed(self.world.history.values()) if p.pid == pid), None)
         return f"pid {pid} ({proc.name})" if proc else f"pid {pid}"
 
     def gname(self, uuid: object) -> str:
@@ -225,22 +209,16 @@ class Simulation:
             timeline=self.timeline,
             final=self.final_state(),
             polls=self.polls,
+            names=self,
         )
 
     def advance(self, until: float) -> bool:
         """Apply the world's happenings up to ``until``; True when a watched process exited
         (the daemon's pidfd wait returns at once, and it polls then)."""
         while self.queue and self.queue[0][0] <= until:
-            at, _, kind, payload = heapq.heappop(self.queue)
+            at, _, happening = heapq.heappop(self.queue)
             self.now = max(self.now, at)
-            if kind == "event":
-                assert isinstance(payload, EventSpec)  # noqa: S101 - scheduled as such
-                self.apply(payload)
-            else:
-                name, why, identity = cast("tuple[str, str, int | None]", payload)
-                proc = self.world.by_name(name)
-                if proc is not None and (identity is None or proc.start_ticks == identity):
-                    self.exit_process(proc, why)
+            happening()
             if self.exited:
                 return True
         return False
@@ -263,10 +241,8 @@ class Simulation:
             return
         identity = ProcessIdentity(proc.pid, proc.start_ticks)
         notes = self.world.exit(proc, self.now, why)
-        text = f"{proc.name} (pid {proc.pid}) exited ({why})"
-        self.happened(
-            TimelineEvent.EXIT, "; ".join([text, *notes]), process=proc.name, pid=proc.pid
-        )
+        said = "; ".join([f"{proc.name} (pid {proc.pid}) exited ({why})", *notes])
+        self.happened(TimelineEvent.EXIT, said, process=proc.name, pid=proc.pid)
         if identity in self.watched:
             self.watched.discard(identity)
             self.exited.append(identity)
@@ -274,21 +250,26 @@ class Simulation:
     def apply(self, event: EventSpec) -> None:
         """A timeline step applied: to the daemon's switches, to a process or to a GPU (each
         of these three leaves the others' steps alone)."""
-        action = event.action
+        action, wall = event.action, WALL0 + self.now
         if action in ("pause", "resume"):
             self.pause = Pause((event.value or "admin") if action == "pause" else None)
-        elif action == "spare" and (spare := self.world.spare(event, WALL0 + self.now)) is not None:
-            _refuse_past_max_spares(self.scenario, event, self.spares, spare, WALL0 + self.now)
+        elif action == "spare" and (spare := self.world.spare(event, wall)) is not None:
+            # As `gpuwatchd spare` refuses a new target while MAX_SPARES are in force.
+            in_force = {s.target for s in self.spares.values() if s.until > wall}
+            if len(in_force) >= MAX_SPARES and spare.target not in in_force:
+                raise SimulationError(
+                    f"{self.scenario.path}:{event.line}: spare: {MAX_SPARES} spares are in force, "
+                    "the most the daemon honours at once: 'gpuwatchd spare' refuses another"
+                )
             self.spares[spare.target] = spare
         self._apply_to_process(event)
         self._apply_to_gpu(event)
 
     def _apply_to_process(self, event: EventSpec) -> None:
-        """A process's step: it exits, starts, changes state, or is reaped (a zombie)."""
         world = self.world
         action = event.action
         if action == "exit" and event.target is not None:
-            proc = world.by_name(event.target)
+            proc = world.history.get(event.target)
             if proc is not None and proc.alive:
                 self.exit_process(proc, "scenario: exit")
         elif action == "start" and event.process is not None:
@@ -299,7 +280,7 @@ class Simulation:
             if spec.exits_at is not None:
                 self.exit_later(proc, spec.exits_at, "exits_at")
         elif action == "state" and event.target is not None and event.value is not None:
-            proc = world.by_name(event.target)
+            proc = world.history.get(event.target)
             if proc is not None and proc.alive:
                 proc.state = event.value
                 said = f"{proc.name} (pid {proc.pid}) is now in state {event.value}"
@@ -309,14 +290,12 @@ class Simulation:
                 if event.value != "D" and any(s == "SIGKILL" for _, s, _ in proc.signals):
                     self.exit_later(proc, 0, "killed by SIGKILL, pending while in D state")
         elif action == "reap" and event.target is not None:
-            proc = world.by_name(event.target)
+            proc = world.history.get(event.target)
             if proc is not None and proc.present and not proc.alive:
                 world.reap(proc)
                 self.happened(TimelineEvent.REAP, f"zombie {proc.name} was reaped", pid=proc.pid)
 
     def _apply_to_gpu(self, event: EventSpec) -> None:
-        """A GPU's step: its allocated memory, a leak on exit, the next reset's result, an Xid,
-        a health reading."""
         world = self.world
         action = event.action
         gpu = None if event.gpu is None else world.gpus[event.gpu]  # set_memory, xid, health
@@ -339,10 +318,8 @@ class Simulation:
             self.happened(TimelineEvent.XID, said, gpu=gpu.spec.uuid, xid=event.xid)
         elif action == "health" and gpu is not None and event.health is not None:
             gpu.health = dataclasses.replace(gpu.health, **event.health)  # type: ignore[arg-type]
-            said = ", ".join(f"{k}={v}" for k, v in event.health.items())
-            self.happened(
-                TimelineEvent.HEALTH, f"GPU {event.gpu}: {said}", gpu=gpu.spec.uuid, **event.health
-            )
+            said = f"GPU {event.gpu}: " + ", ".join(f"{k}={v}" for k, v in event.health.items())
+            self.happened(TimelineEvent.HEALTH, said, gpu=gpu.spec.uuid, **event.health)
 
     def react(self, proc: WorldProc, signal: str) -> None:
         spec = proc.spec
@@ -396,7 +373,7 @@ class Simulation:
                 "exit_why": proc.exit_why,
                 "signals": [{"t": t, "signal": s} for t, s, _ in proc.signals],
             }
-            for proc in world.history
+            for proc in world.history.values()
         ]
         standing = self.engine.standing()  # as the last poll and the exits since left it
         findings = [f.key for f in standing.assessment.findings] if standing.assessment else []
@@ -406,7 +383,7 @@ class Simulation:
             "gpus": gpus,
             "processes": processes,
             "open_findings": findings,
-            "signals_delivered": sum(len(p.signals) for p in world.history),
+            "signals_delivered": sum(len(p.signals) for p in world.history.values()),
             "resets": [
                 {"t": e.t, "gpu": e.fields["gpu"], "result": e.fields["result"]}
                 for e in self.timeline
@@ -562,10 +539,8 @@ class VirtualHost:
             return self.reset(args, gpu, bus, timeout)
         if what in ("persistence_off", "persistence_on"):
             gpu.persistence = what == "persistence_on"
-            state = "Enabled" if gpu.persistence else "Disabled"
-            return CommandResult(
-                args, 0, f"{state} persistence mode for GPU {bus}.", False, 0.1, None
-            )
+            said = f"{'Enabled' if gpu.persistence else 'Disabled'} persistence mode for GPU {bus}."
+            return CommandResult(args, 0, said, False, 0.1, None)
         return CommandResult(args, 0, "", False, 0.2, None)  # the health query
 
     def mig_command(self, argv: tuple[str, ...]) -> CommandResult:
@@ -597,22 +572,20 @@ class VirtualHost:
     ) -> CommandResult:
         world, sim = self.sim.world, self.sim
         scripted = world.reset_results.pop(0) if world.reset_results else "success"
-        if scripted == "success":
-            world.restore(gpu, sim.now)
-            done = f"GPU {bus} was successfully reset.\nAll done."
-            return CommandResult(argv, 0, done, False, 2.0, None)
         if scripted == "hang":
             sim.sleep(timeout)
             return CommandResult(argv, -9, "", True, timeout, None)  # killed with its group
+        if scripted == "success":
+            world.restore(gpu, sim.now)
         if scripted == "fell_off_bus":
             gpu.lost = True
-            lost = f"Unable to reset GPU {bus}: GPU has fallen off the bus."
-            return CommandResult(argv, 15, lost, False, 1.0, None)
-        if scripted == "in_use":
-            refused = f"GPU {bus}: In use by another client"
-        else:
-            refused = f"Unable to reset GPU {bus}: Unknown Error"
-        return CommandResult(argv, 255, refused, False, 0.5, None)
+        code, said, took = {  # the driver's answer: exit code, output, seconds
+            "success": (0, f"GPU {bus} was successfully reset.\nAll done.", 2.0),
+            "fell_off_bus": (15, f"Unable to reset GPU {bus}: GPU has fallen off the bus.", 1.0),
+            "in_use": (255, f"GPU {bus}: In use by another client", 0.5),
+            "fail": (255, f"Unable to reset GPU {bus}: Unknown Error", 0.5),
+        }[scripted]
+        return CommandResult(argv, code, said, False, took, None)
 
 
 def simulate(

@@ -47,13 +47,13 @@ class Entry:
             "event": self.name,
             "level": self.level,
             "text": self.text,
-            "fields": _jsonable(dict(self.fields)),
+            "fields": _jsonable(self.fields),
         }
 
 
 @dataclass
 class SimulationResult:
-    """The timeline and the final state of one run."""
+    """The timeline and the final state of one run, and the run's names for the summary."""
 
     scenario: Scenario
     policy: Policy
@@ -61,6 +61,7 @@ class SimulationResult:
     timeline: list[Entry]
     final: dict[str, object]
     polls: int
+    names: Names
 
     def entries(self, name: str) -> list[Entry]:
         return [e for e in self.timeline if e.name == name]
@@ -136,32 +137,15 @@ _COLUMN = {
 }
 
 
-class _ScenarioNames:
-    """Names for the final summary, from the result (the run's world is gone): a PID is the
-    last process started with it."""
-
-    def __init__(self, result: SimulationResult) -> None:
-        self.procs = {p["pid"]: p["name"] for p in result.final["processes"]}  # type: ignore[attr-defined]
-        self.gpus = {g.uuid: f"GPU {g.index}" for g in result.scenario.gpus}
-
-    def pname(self, pid: object) -> str:
-        name = self.procs.get(pid) if isinstance(pid, int) else None
-        return f"pid {pid} ({name})" if name else f"pid {pid}"
-
-    def gname(self, uuid: object) -> str:
-        return self.gpus.get(str(uuid), str(uuid))
-
-
-def _same_unit(value: object, suffix: str = "") -> str:
+def _same_unit(value: object) -> str:
     """``value`` in MiB at any size: the summary never mixes "2.0 GiB" with "4 MiB"."""
-    text = f"{value // MIB:,} MiB" if isinstance(value, int) else size_text(value)
-    return f"{text} {suffix}" if suffix else text
+    return f"{value // MIB:,} MiB" if isinstance(value, int) else size_text(value)
 
 
 def render_text(result: SimulationResult) -> str:
     """The timeline for people: a header, one line per entry, the final state."""
     scenario, policy = result.scenario, result.policy
-    names = TimelineNamer(_ScenarioNames(result))
+    names = TimelineNamer(result.names)
     lines = [
         f"simulate {scenario.path}: {len(scenario.gpus)} GPU(s), "
         f"{len(scenario.processes)} process(es), {scenario.duration:g}s, "
@@ -182,7 +166,7 @@ def render_text(result: SimulationResult) -> str:
     for gpu in final["gpus"]:  # type: ignore[attr-defined]
         lost = ", LOST" if gpu["lost"] else ""
         lines.append(
-            f"  GPU {gpu['index']}: {_same_unit(gpu['allocated'], 'allocated')} "
+            f"  GPU {gpu['index']}: {_same_unit(gpu['allocated'])} allocated "
             f"(idle {_same_unit(gpu['idle'])}){lost}"
         )
     for proc in final["processes"]:  # type: ignore[attr-defined]

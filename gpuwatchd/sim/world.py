@@ -145,7 +145,7 @@ class World:
         }
         self.by_minor = {g.spec.minor: g for g in self.gpus.values()}
         self.procs: dict[int, WorldProc] = {}  # the process table: the present ones by PID
-        self.history: list[WorldProc] = []
+        self.history: dict[str, WorldProc] = {}  # every process started, by its (unique) name
         self.contexts: list[_Context] = []
         self.leak_on_exit: set[str] = set()
         self.reset_results: list[str] = []
@@ -174,7 +174,7 @@ class World:
             alive=spec.state != "Z",
         )
         self.procs[spec.pid] = proc
-        self.history.append(proc)
+        self.history[spec.name] = proc
         for index, size in spec.nvml.items():
             gi = spec.holds.mig if self.gpus[index].spec.mig_instances else None
             self.contexts.append(_Context(spec.pid, spec.name, index, size, gi=gi))
@@ -187,15 +187,11 @@ class World:
         until, reason = wall + (event.lasts or 0.0), event.value or ""
         if event.job is not None:
             return Spare(f"job:{event.job}", until, reason, job=event.job, since=wall, by_uid=0)
-        proc = None if event.target is None else self.by_name(event.target)
+        proc = None if event.target is None else self.history.get(event.target)
         if proc is None or not proc.alive:
             return None
         return Spare(f"pid:{proc.pid}", until, reason, pid=proc.pid,
                      start_ticks=proc.start_ticks, since=wall, by_uid=0)  # fmt: skip
-
-    def by_name(self, name: str) -> WorldProc | None:
-        """The last process started under ``name`` (alive, a zombie or gone)."""
-        return next((proc for proc in reversed(self.history) if proc.name == name), None)
 
     def exit(self, proc: WorldProc, at: float, why: str) -> list[str]:
         """A live process exits: children reparented, device files closed, contexts settled."""
@@ -307,7 +303,6 @@ class World:
         self._free(gpu, gi)
 
     def _on(self, index: int, gi: int | None, *statuses: str) -> list[_Context]:
-        """The contexts on GPU ``index`` (in its GPU instance ``gi``) in one of ``statuses``."""
         return [
             c
             for c in self.contexts
@@ -446,14 +441,12 @@ class World:
         xids = tuple(XidEvent(xid, WALL0 + at) for xid, at in gpu.xids) if take_events else ()
         if take_events:
             gpu.xids.clear()
-        action = spec.recovery_action
-        pages = spec.retired_pages_pending
-        fabric = spec.fabric
+        pages, fabric = spec.retired_pages_pending, spec.fabric
         return GpuHealth(
             events=Support.OK,
             xids=xids,
-            recovery_action=action,
-            recovery_support=Support.NOT_SUPPORTED if action is None else Support.OK,
+            recovery_action=spec.recovery_action,
+            recovery_support=Support.NOT_SUPPORTED if spec.recovery_action is None else Support.OK,
             remap_correctable=0,
             remap_uncorrectable=1 if spec.remap_pending or spec.remap_failure else 0,
             remap_pending=spec.remap_pending,

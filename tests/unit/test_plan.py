@@ -29,6 +29,7 @@ from gpuwatchd.core.model import (
 )
 from gpuwatchd.core.vocabulary import EventName, LadderStatus
 from gpuwatchd.decide.plan.decisions import (
+    another_boots,
     clear_circuit,
     clear_forced_dry_run,
     forget_reset_refusals,
@@ -866,6 +867,34 @@ def test_boot_id_change_drops_identity_ladders_but_keeps_reset_history() -> None
     assert [(s.signal, s.step) for s in signals(r)] == [("SIGTERM", 1)]
     assert r.state.reset_history == ((GPU0, 1_700_000_000.0),)
     assert r.state.boot_id == "boot-b"
+
+
+def test_a_plan_of_an_unknown_boot_drops_its_monotonic_times_and_keeps_what_the_gpus_hold() -> None:
+    """The start that cannot read this boot's id takes the saved plan's monotonic times for
+    another boot's, and keeps what only a reboot ends on the GPUs: this may be the same boot (a
+    refused reset stays refused, a half-done MIG GPU not clean, a drain done is not run again).
+    After a known reboot those go too."""
+    state = PlanState(
+        boot_id="boot-a",
+        seen={"k": SeenFinding(5000.0, "d", GPU0, None)},
+        quiet_until={GPU0: 9000.0},
+        signal_history=(("1@2", 5000.0),),
+        last_monotonic=5000.0,
+        reset_history=((GPU0, WALL),),
+        reset_refusals={GPU0: ResetRefusal("k", "refused", True, WALL)},
+        health_drained={GPU0: False},
+        mig_unfinished={"MIG-a": MigUnfinished(GPU1, 1, 19, 6, 1, WALL, "failed")},
+    )
+    for reboot in (False, True):
+        r = another_boots(state, rebooted=reboot)
+        assert (r.seen, r.quiet_until, r.signal_history, r.last_monotonic) == ({}, {}, (), None)
+        assert r.reset_history == state.reset_history
+        held = (r.reset_refusals, r.health_drained, r.mig_unfinished)
+        if reboot:
+            assert held == ({}, {}, {})
+        else:
+            assert held == (state.reset_refusals, state.health_drained, state.mig_unfinished)
+    assert another_boots(state) == another_boots(state, rebooted=True)
 
 
 # --- resets -----------------------------------------------------------------------------------

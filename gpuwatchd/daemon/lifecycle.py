@@ -715,10 +715,12 @@ class Daemon:
                     # Another boot's Xids (a poll keeps a history of a boot it cannot tell).
                     assess = dataclasses.replace(assess, health=HealthState())
                 plan = PlanState.from_json(data.get("plan"))
-                if rebooted and plan.boot_id is None:  # its monotonic times too; the in-flight
-                    # reset is the resume's to clear, saying so (Engine.resume_interrupted_reset)
+                if boot_id is None or (rebooted and plan.boot_id is None):  # its monotonic
+                    # times too (an unreadable id proves no same boot); the in-flight reset is
+                    # the resume's to clear, saying so (Engine.resume_interrupted_reset)
                     flight = plan.reset_in_flight
-                    plan = dataclasses.replace(another_boots(plan), reset_in_flight=flight)
+                    plan = another_boots(plan, rebooted=boot_id is not None)
+                    plan = dataclasses.replace(plan, reset_in_flight=flight)
                 self.engine.restore(
                     EngineState(
                         assess=assess,
@@ -729,8 +731,8 @@ class Daemon:
             except ValueError as exc:  # it may echo a saved key or entry: cut as values are
                 log.error(EventName.STATE_INVALID, error=short(exc), path=self.policy.state_dir)
                 lost = self.store.discard_corrupt(short(exc))
-            if rebooted:  # the saved id is the file's: any value, as large as the file
-                saved = data.get("boot_id")
+            if rebooted or boot_id is None:
+                saved = data.get("boot_id")  # the file's: any value, as large as the file
                 shown = None if saved is None else short(saved)
                 log.info(EventName.STATE_NEW_BOOT, saved_boot_id=shown, boot_id=boot_id)
         if lost is not None:

@@ -46,6 +46,7 @@ from gpuwatchd.decide.plan.state import (
     MigUnfinished,
     PlanState,
     ResetInFlight,
+    ResetRefusal,
     SeenFinding,
 )
 from gpuwatchd.decide.verdict import UNREADABLE
@@ -884,6 +885,20 @@ def test_a_reload_asked_before_the_first_poll_completes_sends_no_ready(
     assert "READY=1" in recorder.sent
 
 
+def _old_plan(boot: str | None) -> PlanState:
+    """A plan saved in boot ``boot`` with times on both clocks and a reset in flight."""
+    return PlanState(
+        boot_id=boot,
+        seen={"ghost_memory:x": SeenFinding(5000.0, "d", _UUID, None)},
+        quiet_until={_UUID: 9000.0},
+        reset_history=((_UUID, 1.0e9),),
+        reset_in_flight=ResetInFlight(_UUID, "ghost_memory:x", False, 5000.0, 0.0),
+        signal_history=(("1@2", 5000.0),),
+        scope_latches={"uid:1000": Latch("cap", 1.0e9, 5000.0)},
+        mig_unfinished={_RECOVERY.mig_uuid: MigUnfinished(_UUID, 1, 19, 6, 1, 5000.0, "failed")},
+    )
+
+
 @pytest.mark.parametrize("saved_boot", ["none", "this"])
 def test_a_plan_saved_with_no_boot_id_is_another_boots_and_its_monotonic_times_are_dropped(
     tmp_path: Path, saved_boot: str
@@ -899,18 +914,8 @@ def test_a_plan_saved_with_no_boot_id_is_another_boots_and_its_monotonic_times_a
     policy = dataclasses.replace(default_policy(), state_dir=str(state_dir), dry_run=False)
     daemon = Daemon(policy, config_path=str(tmp_path / "none.yaml"))
     boot = daemon.procfs.boot_id() if saved_boot == "this" else None
-    unfinished = MigUnfinished(_UUID, 1, 19, 6, 1, 5000.0, "failed")
-    flight = ResetInFlight(_UUID, "ghost_memory:x", False, 5000.0, 0.0)
-    plan = PlanState(
-        boot_id=boot,
-        seen={"ghost_memory:x": SeenFinding(5000.0, "d", _UUID, None)},
-        quiet_until={_UUID: 9000.0},
-        reset_history=((_UUID, 1.0e9),),
-        reset_in_flight=flight,
-        signal_history=(("1@2", 5000.0),),
-        scope_latches={"uid:1000": Latch("cap", 1.0e9, 5000.0)},
-        mig_unfinished={_RECOVERY.mig_uuid: unfinished},
-    )
+    plan = _old_plan(boot)
+    flight = plan.reset_in_flight
     state = {"boot_id": boot, "assess": AssessState(boot_id=boot).to_json(), "plan": plan.to_json()}
     (state_dir / "state.json").write_bytes(STATE.encode(STATE.envelope(state)))
     for _ in range(2):  # the start's first save, then it dies before its first poll
@@ -924,6 +929,47 @@ def test_a_plan_saved_with_no_boot_id_is_another_boots_and_its_monotonic_times_a
             assert loaded.mig_unfinished == {}
             assert loaded.scope_latches == {"uid:1000": Latch("cap", 1.0e9, None)}
             assert (loaded.reset_history, loaded.reset_in_flight) == (plan.reset_history, flight)
+        assert daemon.save_state()
+
+
+@pytest.mark.parametrize("saved_boot", ["none", "read"])
+def test_a_start_that_cannot_read_the_boot_id_takes_the_plans_monotonic_times_for_unknown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, saved_boot: str
+) -> None:
+    """A boot id that cannot be read proves no same boot: the plan's monotonic times were kept
+    and measured on this boot's monotonic clock (an old boot's quiet window held for that boot's
+    uptime, a deadline passed at once), and the first poll, reading no id, dropped nothing. The
+    start now drops them as for a plan saved with no boot id (``EventName.STATE_NEW_BOOT``, also
+    when neither id is known), and keeps what only a reboot would have ended on the GPU (a
+    refused reset, a half-done MIG recovery, a drain done): this may be the same boot."""
+    monkeypatch.setattr(ProcFS, "boot_id", lambda self: None)
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    policy = dataclasses.replace(default_policy(), state_dir=str(state_dir), dry_run=False)
+    boot = "11111111-2222-3333-4444-555555555555" if saved_boot == "read" else None
+    plan = dataclasses.replace(
+        _old_plan(boot),
+        last_wall=1.0e9,
+        last_monotonic=5000.0,
+        reset_refusals={_UUID: ResetRefusal("ghost_memory:x", "refused", True, 1.0e9)},
+        health_drained={_UUID: False},
+    )
+    flight = plan.reset_in_flight
+    state = {"boot_id": boot, "assess": AssessState(boot_id=boot).to_json(), "plan": plan.to_json()}
+    (state_dir / "state.json").write_bytes(STATE.encode(STATE.envelope(state)))
+    for _ in range(2):  # the start's first save (with no boot id), then the next start
+        daemon = Daemon(policy, config_path=str(tmp_path / "none.yaml"))
+        with capture_logs() as logs:
+            daemon._load_state()
+        loaded = daemon.engine.state.plan
+        dropped = (loaded.seen, loaded.quiet_until, loaded.signal_history, loaded.last_monotonic)
+        assert dropped == ({}, {}, (), None)
+        assert loaded.scope_latches == {"uid:1000": Latch("cap", 1.0e9, None)}
+        assert (loaded.reset_history, loaded.reset_in_flight) == (plan.reset_history, flight)
+        kept = (loaded.reset_refusals, loaded.mig_unfinished, loaded.health_drained)
+        assert kept == (plan.reset_refusals, plan.mig_unfinished, plan.health_drained)
+        said = [e["boot_id"] for e in logs if e["event"] == EventName.STATE_NEW_BOOT]
+        assert said == [None]
         assert daemon.save_state()
 
 

@@ -29,6 +29,7 @@ from gpuwatchd.core.model import (
 )
 from gpuwatchd.core.vocabulary import EventName, LadderStatus
 from gpuwatchd.decide.plan.decisions import (
+    another_boots,
     clear_circuit,
     clear_forced_dry_run,
     forget_reset_refusals,
@@ -868,6 +869,34 @@ def test_boot_id_change_drops_identity_ladders_but_keeps_reset_history() -> None
     assert r.state.boot_id == "boot-b"
 
 
+def test_a_plan_of_an_unknown_boot_drops_its_monotonic_times_and_keeps_what_the_gpus_hold() -> None:
+    """The start that cannot read this boot's id takes the saved plan's monotonic times for
+    another boot's, and keeps what only a reboot ends on the GPUs: this may be the same boot (a
+    refused reset stays refused, a half-done MIG GPU not clean, a drain done is not run again).
+    After a known reboot those go too."""
+    state = PlanState(
+        boot_id="boot-a",
+        seen={"k": SeenFinding(5000.0, "d", GPU0, None)},
+        quiet_until={GPU0: 9000.0},
+        signal_history=(("1@2", 5000.0),),
+        last_monotonic=5000.0,
+        reset_history=((GPU0, WALL),),
+        reset_refusals={GPU0: ResetRefusal("k", "refused", True, WALL)},
+        health_drained={GPU0: False},
+        mig_unfinished={"MIG-a": MigUnfinished(GPU1, 1, 19, 6, 1, WALL, "failed")},
+    )
+    for reboot in (False, True):
+        r = another_boots(state, rebooted=reboot)
+        assert (r.seen, r.quiet_until, r.signal_history, r.last_monotonic) == ({}, {}, (), None)
+        assert r.reset_history == state.reset_history
+        held = (r.reset_refusals, r.health_drained, r.mig_unfinished)
+        if reboot:
+            assert held == ({}, {}, {})
+        else:
+            assert held == (state.reset_refusals, state.health_drained, state.mig_unfinished)
+    assert another_boots(state) == another_boots(state, rebooted=True)
+
+
 # --- resets -----------------------------------------------------------------------------------
 
 
@@ -1057,6 +1086,35 @@ def test_an_admins_clear_lifts_the_latches_set_by_its_request_and_keeps_those_se
     left = (everything.scope_latches, everything.reset_refusals, everything.mig_unfinished)
     assert left == ({}, {}, {})
     assert not everything.forced_dry_run
+
+
+@pytest.mark.parametrize("step", [-3600.0, +7200.0], ids=["back", "forward"])
+def test_a_wall_clock_step_moves_a_refused_reset_and_a_half_done_mig_recovery_as_a_latch(
+    step: float,
+) -> None:
+    """A refused reset and a MIG recovery left half done are kept by the wall time they were
+    booked at, which `resume --clear-latches` compares with its request. A wall-clock step
+    moved the latches and the last failure but not these: stepped back an hour, a request made
+    after them on the clock as it is now kept both (the reset stayed refused, the MIG GPU not
+    clean), and `refused_at` was off by the step."""
+    pol = policy(reset=ResetPolicy(confirm_for=0.0, cooldown=0.0, max_resets=10))
+    g = ghost()
+    r = _reset_run([g], PlanState(), 0.0, pol=pol)
+    state = record_reset(r.state, resets(r)[0], "in_use", now=0.0, wall=WALL).state
+    half = MigUnfinished(GPU1, 1, 19, 6, 1, WALL, "failed")
+    state = replace(
+        state, mig_unfinished={"MIG-a": half}, scope_latches={"uid:1": Latch("cap", WALL)}
+    )
+    r = _reset_run([g], state, 0.0, wall=WALL + step, pol=pol)  # the next poll, stepped
+    assert event(r, EventName.CLOCK_STEPPED_BACK if step < 0 else EventName.CLOCK_STEPPED_FORWARD)
+    moved = WALL + step  # the step counts as no time passed, for each of them alike
+    assert r.state.scope_latches["uid:1"].since == moved
+    assert r.state.reset_refusals[GPU0].since == moved
+    assert r.state.mig_unfinished["MIG-a"].since == moved
+    assert hidden_holders(r.state)[GPU0]["refused_at"] == moved
+    cleared = clear_circuit(clear_forced_dry_run(r.state, moved + 5.0), moved + 5.0)
+    assert (cleared.scope_latches, cleared.reset_refusals, cleared.mig_unfinished) == ({}, {}, {})
+    assert len(resets(_reset_run([g], cleared, 100.0, wall=WALL + 100.0 + step, pol=pol))) == 1
 
 
 def _with_memory(allocated: int) -> GpuInfo:

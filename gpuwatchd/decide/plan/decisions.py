@@ -124,11 +124,16 @@ def _check_boot(w: Work, snapshot: Snapshot) -> None:
     w.state = replace(w.state, boot_id=new)
 
 
-def another_boots(state: PlanState) -> PlanState:
+def another_boots(state: PlanState, *, rebooted: bool = True) -> PlanState:
     """``state`` less what a poll reading a new boot id drops: for the start, which takes a
-    state saved with no boot id for another boot's (daemon/lifecycle.py)."""
+    state saved with no boot id for another boot's (daemon/lifecycle.py). Not ``rebooted``
+    (this boot's id is unreadable: maybe the same boot), what only a reboot ends on the GPUs
+    stays: refused resets, half-done MIG recoveries, drains done."""
     w = Work(state)
     _forget_boot(w)
+    if not rebooted:
+        w.reset_refusals, w.health_drained = dict(state.reset_refusals), dict(state.health_drained)
+        w.state = replace(w.state, mig_unfinished=state.mig_unfinished)
     return w.freeze()
 
 

@@ -26,7 +26,7 @@ from gpuwatchd.core.vocabulary import (
 )
 from gpuwatchd.decide.mig.recovery import InstanceRecovery
 from gpuwatchd.decide.plan.shadow import ShadowWork
-from gpuwatchd.decide.plan.state import LADDER_EVENT_FIELDS, Ladder, PlanState
+from gpuwatchd.decide.plan.state import LADDER_EVENT_FIELDS, Ladder, PlanState, moved_since
 from gpuwatchd.decide.policy import Policy
 
 # How far the wall clock may run ahead of the monotonic clock between two polls before that is
@@ -167,14 +167,15 @@ class Work:
             self.last_reset = {g: t - step for g, t in self.last_reset.items()}
             self.last_dry_reset = {g: t - step for g, t in self.last_dry_reset.items()}
             self.reset_history = [(g, t - step) for g, t in self.reset_history]
-            self.scope_latches = {
-                k: replace(v, since=v.since - step) for k, v in self.scope_latches.items()
-            }
+            self.scope_latches = moved_since(self.scope_latches, step)
+            self.reset_refusals = moved_since(self.reset_refusals, step)
             forced, failed = self.state.forced_since, self.state.last_failure
-            if forced is not None:
-                self.state = replace(self.state, forced_since=forced - step)
-            if failed is not None:
-                self.state = replace(self.state, last_failure=failed - step)
+            self.state = replace(
+                self.state,
+                forced_since=None if forced is None else forced - step,
+                last_failure=None if failed is None else failed - step,
+                mig_unfinished=moved_since(self.state.mig_unfinished, step),
+            )
             self.shadow.shift(step)
             name = EventName.CLOCK_STEPPED_BACK if step > 0 else EventName.CLOCK_STEPPED_FORWARD
             self.event(name, Level.WARNING, seconds=abs(step), wall=wall)

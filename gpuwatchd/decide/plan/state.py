@@ -8,7 +8,7 @@ In detail: docs/internals.md, section `gpuwatchd.decide.plan.state`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
 from gpuwatchd.core.checked import (
@@ -123,6 +123,14 @@ class Latch:
     reason: str
     since: float
     since_monotonic: float | None = None
+
+
+_Since = TypeVar("_Since", Latch, ResetRefusal, MigUnfinished)  # each keeps a wall ``since``
+
+
+def moved_since(entries: Mapping[str, _Since], step: float) -> dict[str, _Since]:
+    """``entries`` with each ``since`` moved ``step`` seconds back (a wall-clock step)."""
+    return {key: replace(entry, since=entry.since - step) for key, entry in entries.items()}
 
 
 @dataclass(frozen=True)

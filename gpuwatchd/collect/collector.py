@@ -141,7 +141,6 @@ class Collector:
     kernel_log: KernelLog | None = None
 
     def collect(self, *, full: bool = False) -> Snapshot:
-        """Take one snapshot. ``full=True`` forces a scan of every process."""
         reading = _distinct_minors(self.nvml.read())
         # After the NVML read: a worker (re)started by it opens the device files, and the
         # events are consumed here, not walked on next poll. Nothing is lost either way: an

@@ -82,7 +82,6 @@ def _status_field(status: str, name: str) -> list[str]:
 
 
 def root_only(st: os.stat_result) -> bool:
-    """Owned by root and writable by neither group nor others."""
     return st.st_uid == 0 and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
@@ -127,7 +126,6 @@ class ProcFS:
             return DEFAULT_PID_MAX
 
     def char_device_majors(self) -> dict[str, int] | None:
-        """Character-device majors by driver name from ``<root>/devices``; None if unreadable."""
         try:
             return parse_proc_devices(_read_text(f"{self.root}/devices"))
         except OSError:

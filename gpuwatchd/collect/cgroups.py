@@ -131,7 +131,6 @@ def _mounts(mountinfo: str) -> Iterator[tuple[list[str], str]]:
 
 
 def parse_cgroup2_mount(mountinfo: str) -> str | None:
-    """Where mountinfo text says the unified (v2) hierarchy is mounted; None without one."""
     return next((point for after, point in _mounts(mountinfo) if after[0] == "cgroup2"), None)
 
 

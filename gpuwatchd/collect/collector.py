@@ -71,10 +71,6 @@ _JUDGED: dict[str, Callable[[ProcessInfo], object]] = {
 }
 
 
-def _signature_of_stat(fields: StatFields) -> _Signature:
-    return (fields.starttime, fields.ppid, fields.pgrp, fields.session, fields.comm)
-
-
 @dataclass(frozen=True)
 class _Held:
     """A listed process's holdings, with what made them reusable."""
@@ -124,7 +120,9 @@ class Collector:
     _scan_state: FullScanState = field(default_factory=FullScanState)
     _known_holders: frozenset[int] = field(default_factory=frozenset)
     _unknown_holders: frozenset[int] = field(default_factory=frozenset)  # unreadable last poll
-    _held_minors: frozenset[int] = field(default_factory=frozenset)
+    # The GPU minors whose memory the last poll's holders own for the full-scan rule (exempt
+    # from ``unowned_memory``: _note_holders)
+    held_minors: frozenset[int] = field(default_factory=frozenset)
     _said_unread: frozenset[int] = field(default_factory=frozenset)  # thread_tables_unread
     _facts: dict[int, ProcessInfo] = field(default_factory=dict)
     _facts_seen: dict[int, ProcessInfo] = field(default_factory=dict)
@@ -143,7 +141,6 @@ class Collector:
     kernel_log: KernelLog | None = None
 
     def collect(self, *, full: bool = False) -> Snapshot:
-        """Take one snapshot. ``full=True`` forces a scan of every process."""
         reading = _distinct_minors(self.nvml.read())
         # After the NVML read: a worker (re)started by it opens the device files, and the
         # events are consumed here, not walked on next poll. Nothing is lost either way: an
@@ -153,13 +150,8 @@ class Collector:
         listed = listed_pids(reading)
         self._facts_seen = {}
         live_listed = self._read_processes(listed)
-        poll = _Poll(
-            reading=reading,
-            now=now,
-            listed=listed,
-            self_pids=frozenset({os.getpid()}) | self.nvml.worker_pids | self.daemon_pids,
-            news=news,
-        )
+        self_pids = frozenset({os.getpid()}) | self.nvml.worker_pids | self.daemon_pids
+        poll = _Poll(reading, now, listed, self_pids, news)
         holders, live_listed = _scan_holders(self, poll, live_listed, full=full)
         holding_pids = _note_holders(self, poll, holders)
         wanted = holding_pids | set(holders.unreadable)
@@ -202,12 +194,6 @@ class Collector:
         """The PIDs NVML listed dead or zombie at the last poll (the full-scan rule's memory)."""
         return self._scan_state.dead_listed
 
-    @property
-    def held_minors(self) -> frozenset[int]:
-        """The GPU minors whose memory the last poll's holders own for the full-scan rule
-        (exempt from ``unowned_memory``: :func:`_note_holders`)."""
-        return self._held_minors
-
     def seed(
         self,
         holders: frozenset[int],
@@ -222,7 +208,7 @@ class Collector:
         read (rescanned as the holders are); ``held_minors``: its :attr:`held_minors`."""
         self._known_holders = holders
         self._unknown_holders = unknown
-        self._held_minors = held_minors
+        self.held_minors = held_minors
         self._scan_state = FullScanState(last_full=self.clock(), dead_listed=dead_listed)
 
     def _full_scan(
@@ -257,7 +243,8 @@ class Collector:
             if confirmed[0] is fields and confirmed[1] is cached:
                 return cached  # the very stat that confirmed this fact last time
             if (
-                _signature_of_stat(fields) == _signature_of_info(cached)
+                (fields.starttime, fields.ppid, fields.pgrp, fields.session, fields.comm)
+                == _signature_of_info(cached)
                 and fields.exec_mark == confirmed[0].exec_mark  # no exec since
             ):
                 if fields.state != cached.state:
@@ -322,7 +309,7 @@ def _scan_holders(
         interval=c.full_scan_interval,
         detection=c.detection,
         forced=full,
-        held_minors=c._held_minors,
+        held_minors=c.held_minors,
         watching=poll.news is not None and poll.news.available,
         device_changed=poll.news is not None and poll.news.changed,
         backstop=c.backstop,
@@ -330,7 +317,8 @@ def _scan_holders(
     c.last_scan_reason = reason
     self_pids = poll.self_pids
     if reason is not None:
-        _may_walk(c, reason)
+        if not c.may_walk:
+            raise WalkDue(reason)
         # Nothing remembered (the first poll, a one-shot scan): every fact was read this poll,
         # so a full scan need not read the listed processes a second time.
         return c._full_scan(poll, None if c._facts else live_listed)
@@ -348,17 +336,12 @@ def _scan_holders(
     # holding nothing), it is a holder gone; its children, not followed, may keep them.
     gone_from = c._known_holders | (c._unknown_holders - holders.unreadable)
     if (reason := holder_gone(gone_from - self_pids, found)) is not None:
-        _may_walk(c, reason)
+        if not c.may_walk:
+            raise WalkDue(reason)
         c.last_scan_reason = reason
         c._scan_state = dataclasses.replace(c._scan_state, last_full=poll.now)
         return c._full_scan(poll)
     return holders, live_listed
-
-
-def _may_walk(c: Collector, reason: FullScanReason) -> None:
-    """Raise :class:`WalkDue` where ``c`` may not walk all of /proc for ``reason``."""
-    if not c.may_walk:
-        raise WalkDue(reason)
 
 
 def _note_holders(c: Collector, poll: _Poll, holders: HolderScan) -> set[int]:
@@ -379,7 +362,7 @@ def _note_holders(c: Collector, poll: _Poll, holders: HolderScan) -> set[int]:
     c._said_unread = frozenset(said | holders.thread_tables_unread)
     # An NVML-only holder (no nvidia-uvm, not listed: a monitor) holds no memory, so
     # memory beside it still asks for a full scan (decide/plan/monitors.py).
-    c._held_minors = frozenset(
+    c.held_minors = frozenset(
         minor
         for pid in holding_pids
         if holders.holdings[pid].uvm or pid in poll.listed
@@ -435,9 +418,8 @@ def _snapshot(
         c._stepd_identity,
     )
 
-    mig_caps, mig_caps_error = None, None
-    if any(gpu.mig_enabled for gpu in reading.gpus):
-        mig_caps, mig_caps_error = read_mig_minors(c.mig_minors_file)
+    mig_on = any(gpu.mig_enabled for gpu in reading.gpus)
+    mig_caps, mig_caps_error = read_mig_minors(c.mig_minors_file) if mig_on else (None, None)
 
     # Read only while NVML names the GPUs: a line of a GPU not known yet stays unread.
     kernel_xids = () if c.kernel_log is None or not reading.gpus else c.kernel_log.read()

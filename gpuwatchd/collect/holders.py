@@ -114,10 +114,8 @@ class _Found:
             (self.gpu_map if via_map else self.gpu_fd).add(minor)
         elif kind == "cap":
             (self.caps_map if via_map else self.caps_fd).add(minor)
-        elif kind == "ctl":
-            self.ctl = True
-        elif kind == "uvm":
-            self.uvm = True
+        else:  # "ctl", "uvm"
+            setattr(self, kind, True)
 
     def holds(self) -> bool:
         held = (self.gpu_fd, self.gpu_map, self.caps_fd, self.caps_map, self.cap_files)
@@ -458,12 +456,8 @@ class HolderScanner:
         """Add what threads with fd tables of their own hold (docs/internals.md); False when one
         could not be read, or :attr:`thread_table_budget` ran out first (``found.capped``)."""
         try:
-            threads = os.stat(f"{base}/task").st_nlink - 2
-        except OSError as err:
-            raise _classify_error(err) from None
-        if threads <= 1:
-            return True
-        try:
+            if os.stat(f"{base}/task").st_nlink - 2 <= 1:  # 2 + threads: one thread
+                return True
             tids = [int(n) for n in os.listdir(f"{base}/task") if n.isascii() and n.isdigit()]
         except OSError as err:
             raise _classify_error(err) from None

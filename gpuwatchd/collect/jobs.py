@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from gpuwatchd.collect.cgroups import parse_cgroup2_mount
 from gpuwatchd.collect.procfs import root_only
+from gpuwatchd.collect.statfiles import read_proc_file
 from gpuwatchd.core.model import ProcessInfo
 
 _MOUNTINFO_LIMIT = 4 * 1024 * 1024  # far above any real mount table; bounds a hostile one
@@ -56,13 +57,10 @@ def scheduler_ended_job(spec: str, environ: Mapping[str, str]) -> str:
 
 
 def cgroup2_mount(mountinfo: str = "/proc/self/mountinfo") -> str | None:
-    """Where the unified (v2) cgroup hierarchy is mounted, or None without one (or unreadable)."""
     try:
-        with open(mountinfo, "rb") as handle:
-            raw = handle.read(_MOUNTINFO_LIMIT)
+        return parse_cgroup2_mount(os.fsdecode(read_proc_file(mountinfo, _MOUNTINFO_LIMIT)))
     except OSError:
         return None
-    return parse_cgroup2_mount(os.fsdecode(raw))
 
 
 _MAX_STEPD_PIDS = 64  # processes of a step's slurm cgroup looked at; slurmstepd is one

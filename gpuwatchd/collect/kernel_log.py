@@ -68,7 +68,6 @@ class XidLine:
 
 
 def parse_xid(message: str) -> XidLine | None:
-    """The Xid a kernel message reports, or None when it is not a well-formed Xid line."""
     if len(message) > MAX_LINE or not message.startswith("NVRM: Xid ("):
         return None
     match = _XID.fullmatch(message)
@@ -165,8 +164,7 @@ class _Lines:
             except OSError as err:
                 if err.errno in (errno.EPIPE, errno.EINTR):  # EPIPE: /dev/kmsg records overwritten
                     continue
-                self.ended = True
-                break
+                chunk = b""  # any other error ends the source, as its end does
             if not chunk:
                 self.ended = True
                 break

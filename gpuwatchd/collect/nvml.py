@@ -85,7 +85,6 @@ def library_folders(search_path: Sequence[str], cwd: str | None) -> list[str]:
 
 
 def worker_command(python: str, folders: Sequence[str], worker: str = WORKER_FILE) -> list[str]:
-    """The argv that starts the worker: isolated interpreter, worker file by absolute path."""
     return [python, "-I", LAUNCHER_FILE, worker, *folders]
 
 

@@ -253,7 +253,6 @@ class Worker:
             count = pynvml.nvmlDeviceGetCount()
         except pynvml.NVMLError as error:
             return {"available": False, "error": f"nvmlDeviceGetCount: {describe_error(error)}"}
-        driver: str | None
         try:
             driver = _text(pynvml.nvmlSystemGetDriverVersion())
         except pynvml.NVMLError:
@@ -462,15 +461,12 @@ def list_processes(
     return None
 
 
+# pynvml's process entries' layouts as plain structures (docs/internals.md says why).
 class ProcessInfoV2(ctypes.Structure):
-    """pynvml's ``c_nvmlProcessInfo_v2_t`` layout as a plain structure (docs/internals.md)."""
-
     _fields_ = pynvml.c_nvmlProcessInfo_v2_t._fields_
 
 
 class ProcessInfoV3(ctypes.Structure):
-    """pynvml's ``c_nvmlProcessInfo_v3_t`` layout (see :class:`ProcessInfoV2`)."""
-
     _fields_ = pynvml.c_nvmlProcessInfo_v3_t._fields_
 
 
@@ -532,6 +528,7 @@ def read_mig_device(parent: Any, mig: Any, index: int) -> dict[str, Any]:
     # The GPU instance's profile and placement ([start, size]): what re-creating it needs.
     instance = None if gi is None else own.query("nvmlDeviceGetGpuInstanceById", parent, gi)
     info = None if instance is None else own.query("nvmlGpuInstanceGetInfo", instance)
+    placement = None if info is None else [int(info.placement.start), int(info.placement.size)]
     return {
         "index": index,
         "uuid": uuid,
@@ -539,9 +536,7 @@ def read_mig_device(parent: Any, mig: Any, index: int) -> dict[str, Any]:
         "gi": None if gi is None else int(gi),
         "ci": None if ci is None else int(ci),
         "gi_profile_id": None if info is None else int(info.profileId),
-        "placement": None
-        if info is None
-        else [int(info.placement.start), int(info.placement.size)],
+        "placement": placement,
         "memory": read_memory(own, mig),
         "processes": read_processes(own, mig),
         "error": "; ".join(own.errors) or None,

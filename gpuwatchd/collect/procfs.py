@@ -13,7 +13,7 @@ import os
 import pwd
 import stat
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal
 
 from gpuwatchd.collect.capabilities import missing_capabilities
 from gpuwatchd.collect.cgroups import (
@@ -28,9 +28,6 @@ from gpuwatchd.core.model import CgroupInfo, ProcessInfo
 from gpuwatchd.core.procstat import StatFields, parse_stat
 from gpuwatchd.decide.floor import claims_infrastructure, names_infrastructure_unit
 from gpuwatchd.decide.patterns import MAX_COMMAND_TEXT
-
-if TYPE_CHECKING:
-    from gpuwatchd.collect.holders import HolderScanner
 
 _CAP_SYS_ADMIN = 21  # reads trusted.* extended attributes (the delegation mark)
 DEFAULT_PID_MAX = 4194304
@@ -85,7 +82,6 @@ def _status_field(status: str, name: str) -> list[str]:
 
 
 def root_only(st: os.stat_result) -> bool:
-    """Owned by root and writable by neither group nor others."""
     return st.st_uid == 0 and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
@@ -94,20 +90,11 @@ def _read_text(path: str) -> str:
 
 
 class ProcFS:
-    """Reads process and host facts from a ``/proc`` tree rooted at ``root``; the keyword
-    arguments configure :attr:`holders`, the device-holder scanner over the same tree."""
+    """Reads process and host facts from a ``/proc`` tree rooted at ``root``; ``devices`` are
+    the settings (:class:`~gpuwatchd.collect.holders.DeviceFiles`) of :attr:`holders`, the
+    device-holder scanner over the same tree."""
 
-    def __init__(
-        self,
-        root: str = "/proc",
-        *,
-        devices_dir: str = "/dev",
-        device_major: int | None = None,
-        uvm_major: int | None = None,
-        ctl_minor: int | None = None,
-        uvm_minor: int = 0,
-        match_by_path: bool | None = None,
-    ) -> None:
+    def __init__(self, root: str = "/proc", **devices: Any) -> None:
         from gpuwatchd.collect import holders  # holders builds on this module, not the reverse
 
         self.root = root.rstrip("/") or "/"
@@ -121,16 +108,7 @@ class ProcFS:
             self.self_pid = int(os.readlink(f"{self.root}/self"))
         except (OSError, ValueError):
             self.self_pid = os.getpid()
-        devices = holders.DeviceFiles(
-            self,
-            devices_dir=devices_dir,
-            device_major=holders.NVIDIA_MAJOR if device_major is None else device_major,
-            uvm_major=uvm_major,
-            ctl_minor=holders.NVIDIACTL_MINOR if ctl_minor is None else ctl_minor,
-            uvm_minor=uvm_minor,
-            match_by_path=match_by_path,
-        )
-        self.holders: HolderScanner = holders.HolderScanner(self, devices)
+        self.holders = holders.HolderScanner(self, holders.DeviceFiles(self, **devices))
 
     def boot_id(self) -> str | None:
         """This boot's ID, read once from a real ``proc`` (fixed while this process runs)."""
@@ -148,7 +126,6 @@ class ProcFS:
             return DEFAULT_PID_MAX
 
     def char_device_majors(self) -> dict[str, int] | None:
-        """Character-device majors by driver name from ``<root>/devices``; None if unreadable."""
         try:
             return parse_proc_devices(_read_text(f"{self.root}/devices"))
         except OSError:
@@ -312,9 +289,7 @@ class ProcFS:
         """Whether the program ``pid`` runs is one only root can have put where it is: the
         running file (``/proc/PID/exe`` followed) and its directory in the process's own root
         are root's and writable by neither group nor others. False when deleted; None when
-        unreadable (gone, or no privilege); :meth:`read_process` asks only for a process that
-        claims an infrastructure name, the others keep None (not asked). Their attributes are
-        the kernel's (stat_cached: a user's FUSE server that never answers stalls no scan)."""
+        unreadable (gone, or no privilege; docs/internals.md)."""
         if exe is None:
             return None
         if exe.endswith(" (deleted)") or not exe.startswith("/"):

@@ -6,6 +6,7 @@ In detail: docs/internals.md, section `gpuwatchd.collect.spread`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import marshal
 import os
 import signal
@@ -82,16 +83,12 @@ def scan_spread(
     this slice advances and on each heartbeat of a worker (so a worker stuck in a system call
     is never reported as progress)."""
 
-    def count(cpus: int, idle: int) -> int:
-        return worker_count(
-            len(pids), cpus=cpus, idle=idle, max_workers=workers, min_slice=min_slice
-        )
-
+    count = functools.partial(worker_count, len(pids), max_workers=workers, min_slice=min_slice)
     # One worker even with every CPU idle (a poll's few processes): no need to ask the CPUs.
-    if threading.active_count() > 1 or count(MAX_WORKERS, MAX_WORKERS) <= 1:
+    if threading.active_count() > 1 or count(cpus=MAX_WORKERS, idle=MAX_WORKERS) <= 1:
         return scan(pids, progress)
     cpus = _cpus()
-    workers_now = count(cpus, _idle(cpus) if workers is None else cpus)
+    workers_now = count(cpus=cpus, idle=_idle(cpus) if workers is None else cpus)
     if workers_now <= 1:
         return scan(pids, progress)
     size = -(-len(pids) // workers_now)

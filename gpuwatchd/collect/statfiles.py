@@ -86,9 +86,8 @@ def stat_cached(path: str, *, dir_fd: int | None = None) -> os.stat_result:
         raise OSError(code, os.strerror(code), path)
     _, nlink, uid, gid, mode, ino = _STATX.unpack_from(buf)
     rdev_major, rdev_minor, dev_major, dev_minor = struct.unpack_from("<4I", buf, 128)
-    dev = os.makedev(dev_major, dev_minor)
     return os.stat_result(
-        (mode, ino, dev, nlink, uid, gid, 0, 0, 0, 0),
+        (mode, ino, os.makedev(dev_major, dev_minor), nlink, uid, gid, 0, 0, 0, 0),
         {"st_rdev": os.makedev(rdev_major, rdev_minor)},
     )
 
@@ -105,7 +104,6 @@ class StatFiles:
         self._children: dict[int, int] = {}  # PID -> its task/PID/children, kept open
 
     def read(self, pid: int) -> StatFields | None:
-        """``/proc/PID/stat`` parsed now; None when the process is gone or it is unreadable."""
         fd = self._fds.get(pid)
         if fd is not None:
             try:

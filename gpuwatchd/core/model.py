@@ -82,12 +82,10 @@ class CgroupInfo:
     def job_key(self) -> str | None:
         """The job-level group this cgroup belongs to, or None (never a shared slice or a login
         session: docs/design-notes.md §4)."""
-        if self.slurm_job is not None:
-            return f"slurm:{self.slurm_job}"
-        if self.pod_uid is not None:
-            return f"pod:{self.pod_uid}"
-        if self.container_id is not None:
-            return f"container:{self.container_id}"
+        jobs = (("slurm", self.slurm_job), ("pod", self.pod_uid), ("container", self.container_id))
+        for prefix, key in jobs:
+            if key is not None:
+                return f"{prefix}:{key}"
         unit = self.systemd_unit
         if (
             unit is not None
@@ -183,12 +181,8 @@ class DeviceHolding:
 
     def via(self, minor: int) -> tuple[str, ...]:
         """How this process holds GPU ``minor``: ("fd",), ("map",) or both."""
-        routes = []
-        if minor in self.gpu_minors_fd:
-            routes.append("fd")
-        if minor in self.gpu_minors_map:
-            routes.append("map")
-        return tuple(routes)
+        routes = (("fd", self.gpu_minors_fd), ("map", self.gpu_minors_map))
+        return tuple(route for route, minors in routes if minor in minors)
 
 
 @dataclass(frozen=True)
@@ -361,11 +355,9 @@ class GpuInfo:
     @property
     def reset_needs_nvlink_peers(self) -> bool | None:
         """Whether it resets only with its NVLink peers (docs/design-notes.md §7); None: unknown."""
-        if self.nvlink_active is None:
-            return None
         if self.nvlink_active == 0:
             return False
-        if self.architecture is None:
+        if self.nvlink_active is None or self.architecture is None:
             return None
         return self.architecture in (ARCH_VOLTA, ARCH_AMPERE)
 
@@ -452,10 +444,7 @@ class Snapshot:
     kernel_xids: tuple[KernelXid, ...] = ()
 
     def gpu_by_minor(self, minor: int) -> GpuInfo | None:
-        for gpu in self.nvml.gpus:
-            if gpu.minor == minor:
-                return gpu
-        return None
+        return next((gpu for gpu in self.nvml.gpus if gpu.minor == minor), None)
 
 
 # --- findings ---------------------------------------------------------------------------------
@@ -479,12 +468,8 @@ class Finding:
     def key(self) -> str:
         """A stable key: the same problem in the next poll has the same key (``@start_ticks``
         left out when the start time is unknown, as for a dead process)."""
-        if self.pid is None:
-            target = "gpu"
-        elif self.start_ticks is None:
-            target = str(self.pid)
-        else:
-            target = f"{self.pid}@{self.start_ticks}"
+        ticks = "" if self.start_ticks is None else f"@{self.start_ticks}"
+        target = "gpu" if self.pid is None else f"{self.pid}{ticks}"
         return f"{self.kind.value}:{self.gpu}:{target}"
 
     @property

@@ -16,9 +16,6 @@ class _Name(str, enum.Enum):
     def __str__(self) -> str:
         return str(self.value)
 
-    def __format__(self, spec: str) -> str:
-        return format(str(self.value), spec)
-
 
 class Level(_Name):
     """Log levels, the only definition: structlog method names, with their journald priority
@@ -32,12 +29,10 @@ class Level(_Name):
 
     @property
     def priority(self) -> int:
-        """The journald priority: 7 debug, 6 info, 4 warning, 3 error, 2 critical."""
         return _PRIORITY[self.value]
 
     @property
     def number(self) -> int:
-        """The level's number in Python's ``logging`` (10 debug ... 50 critical)."""
         return _NUMBER[self.value]
 
 

@@ -166,10 +166,7 @@ def _escape_control_characters(
     _logger: WrappedLogger, _method: str, event_dict: MutableMapping[str, Any]
 ) -> MutableMapping[str, Any]:
     """Escape newlines and other control characters in string values: one event, one line."""
-    for key, value in event_dict.items():
-        if isinstance(value, str):
-            event_dict[key] = escape(value)
-    return event_dict
+    return {key: escape(v) if isinstance(v, str) else v for key, v in event_dict.items()}
 
 
 def _leading_keys(
@@ -213,8 +210,7 @@ def _render_logfmt(
 
 
 def _logfmt_key(key: object) -> str:
-    text = str(key)
-    safe = "".join(c if c.isprintable() and c not in ' ="' else "_" for c in text)
+    safe = "".join(c if c.isprintable() and c not in ' ="' else "_" for c in str(key))
     return safe or "_"
 
 

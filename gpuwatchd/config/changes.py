@@ -43,8 +43,7 @@ def _flat(data: Mapping[str, object], prefix: str = "") -> dict[str, object]:
 def _shown(value: object) -> str:
     if value is _UNSET:
         return "(unset)"
-    if isinstance(value, str):
-        text = value
-    else:
-        text = json.dumps(value, separators=(",", ":"), default=str)
+    text = (
+        value if isinstance(value, str) else json.dumps(value, separators=(",", ":"), default=str)
+    )
     return text if len(text) <= VALUE_LIMIT else text[: VALUE_LIMIT - 3] + "..."

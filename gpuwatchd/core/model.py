@@ -120,9 +120,7 @@ class ProcessInfo:
     @property
     def exe_name(self) -> str | None:
         """The executable's basename, as the kernel resolved it (not what argv[0] claims)."""
-        if not self.exe:
-            return None
-        return self.exe.rsplit("/", 1)[-1].removesuffix(" (deleted)") or None
+        return (self.exe or "").rsplit("/", 1)[-1].removesuffix(" (deleted)") or None
 
     @cached_property
     def identity(self) -> ProcessIdentity | None:

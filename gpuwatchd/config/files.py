@@ -31,11 +31,8 @@ def read_policy_files(
     StrictModes (``check_permissions``; by default as root). ConfigError ("not found", ...)."""
     if check_permissions is None:
         check_permissions = os.geteuid() == 0
-    problem = _not_utf8_name(path)
-    if problem is not None:
-        raise problem
-    if not os.path.lexists(path):
-        read_config_file(path)  # raises the "not found" error
+    if _not_utf8_name(path) is not None or not os.path.lexists(path):
+        read_config_file(path)  # raises the name's or the "not found" error
     drop_ins = find_drop_ins(path)
     if check_permissions:
         check_config_permissions(path, drop_ins, trusted_root=trusted_root)
@@ -46,14 +43,11 @@ def read_policy_files(
 
 
 def read_leading_files(paths: Sequence[str]) -> tuple[list[tuple[str, str]], ConfigError | None]:
-    """The leading run of ``paths`` that reads (a UTF-8 name, :func:`read_config_file`) as
-    (file name, text), and the ConfigError of the first that does not (None: all read)."""
+    """The leading run of ``paths`` that reads (:func:`read_config_file`) as (file name,
+    text), and the ConfigError of the first that does not (None: all read)."""
     texts: list[tuple[str, str]] = []
     for path in paths:
         try:
-            problem = _not_utf8_name(path)
-            if problem is not None:
-                raise problem
             texts.append((path, read_config_file(path)))
         except ConfigError as err:
             return texts, err
@@ -124,10 +118,10 @@ def policy_files_key(main_file: str) -> tuple[object, ...]:
 
 
 def read_config_file(path: str) -> str:
-    """The text of the regular file ``path`` (a link to one is followed), by
+    """The text of the regular file ``path`` (a link to one is followed; its name UTF-8), by
     :func:`read_regular_file`; ConfigError for anything else, naming the line of bytes that are
     not UTF-8."""
-    problem = _not_regular(path)
+    problem = _not_utf8_name(path) or _not_regular(path)
     if problem is not None:
         raise problem
     try:

@@ -154,7 +154,6 @@ def _integer(value: object, *, where: str) -> int:
 
 
 def count(lowest: int, highest: int) -> Value:
-    """An integer in ``lowest..highest``."""
     bound = Bound("count", lowest, highest, str(lowest), str(highest))
     return _with_unit(_integer, _same, bound)
 

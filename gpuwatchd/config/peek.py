@@ -16,7 +16,6 @@ _PLAIN = re.compile(r"""'([^']*)'|"([^"\\]*)"|([^'"\s{\[][^#]*)""")
 
 
 def conf_d(main_file: str) -> str:
-    """The drop-in folder beside ``main_file``."""
     return os.path.join(os.path.dirname(os.path.abspath(main_file)), "conf.d")
 
 

@@ -22,7 +22,6 @@ def obj(value: object, what: str) -> Mapping[str, object]:
 
 
 def items(value: object, what: str, limit: int | None = None) -> list[object]:
-    """A list (of at most ``limit`` entries, when given)."""
     if not isinstance(value, list) or (limit is not None and len(value) > limit):
         raise ValueError(f"{what}: expected a list")
     return value

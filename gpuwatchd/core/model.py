@@ -178,7 +178,6 @@ class DeviceHolding:
         return self.gpu_minors_fd | self.gpu_minors_map
 
     def via(self, minor: int) -> tuple[str, ...]:
-        """How this process holds GPU ``minor``: ("fd",), ("map",) or both."""
         routes = (("fd", self.gpu_minors_fd), ("map", self.gpu_minors_map))
         return tuple(route for route, minors in routes if minor in minors)
 

@@ -35,8 +35,6 @@ def _drop(*_args: Any, **_kwargs: Any) -> None:
 
 
 class _LazyLogger:
-    """A structlog logger stand-in; see the module docstring."""
-
     __slots__ = ("_args", "_real")
 
     def __init__(self, args: tuple[Any, ...]) -> None:
@@ -58,5 +56,4 @@ class _LazyLogger:
 
 
 def get_logger(*args: Any) -> Any:
-    """A logger that imports structlog on its first emitted event (module docstring)."""
     return _LazyLogger(args)

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from gpuwatchd.core import checked
+
 # A policy file is a few kilobytes and a few hundred YAML nodes. PyYAML is pure Python here
 # (for its line marks): about 0.4 s per MiB of text and 25 us per node. The limits keep a
 # whole policy (main file and every drop-in, read on a reload too) to a few seconds, well
@@ -124,8 +126,7 @@ def describe_value(value: object) -> str:
 
 def shown(value: object) -> str:
     """``repr(value)`` cut short for a message: a hostile value may be a megabyte long."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return checked.shown(value, 60)
 
 
 def did_you_mean(word: str, choices: Sequence[str]) -> str:

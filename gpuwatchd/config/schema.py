@@ -167,11 +167,8 @@ class _Section:
         for key, line in node.key_lines.items():
             if key in allowed:
                 continue
-            hint = did_you_mean(key, allowed)
-            if not hint:
-                homes = [name for name in _HOMES if key in SECTIONS[name].names]
-                if homes:
-                    hint = f" (it belongs under '{homes[0]}')"
+            home = next((name for name in _HOMES if key in SECTIONS[name].names), None)
+            hint = did_you_mean(key, allowed) or (f" (it belongs under '{home}')" if home else "")
             where = join_key(path, key)
             problems.append(
                 ConfigError(f"unknown key{hint}", path=node.entries[key].file, line=line, key=where)

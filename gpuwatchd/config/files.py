@@ -14,7 +14,7 @@ import os
 import stat
 from collections.abc import Sequence
 
-from gpuwatchd.config.peek import ancestors, conf_d, drop_in_names
+from gpuwatchd.config.peek import ancestors, conf_d, drop_in_names, drop_in_paths
 from gpuwatchd.config.yamlsrc import MAX_DOCUMENT_BYTES, ConfigError, line_of
 from gpuwatchd.core.escape import escape, unescape_mount_path
 
@@ -98,15 +98,9 @@ def _not_utf8_name(path: str) -> ConfigError | None:
 def policy_files_key(main_file: str) -> tuple[object, ...]:
     """What changes when the policy's files do (the main file, ``conf.d/``, each drop-in,
     followed through links): a stat each, no read, which the daemon compares every poll."""
-    folder = conf_d(main_file)
-    try:
-        drop_ins = drop_in_names(folder)
-    except OSError:
-        drop_ins = []  # conf.d's own entry below says why
+    drop_ins = drop_in_paths(main_file)  # none when conf.d cannot be listed: its entry says why
     key: list[object] = []
-    for path in [main_file, folder, *(os.path.join(folder, n) for n in drop_ins)][
-        : MAX_DROP_INS + 3
-    ]:
+    for path in [main_file, conf_d(main_file), *drop_ins][: MAX_DROP_INS + 3]:
         try:
             st = os.stat(path)
         except OSError as err:

@@ -32,16 +32,20 @@ def drop_in_names(folder: str) -> list[str]:
     return sorted(n for n in os.listdir(folder) if n.endswith(".yaml") and not n.startswith("."))
 
 
+def drop_in_paths(main_file: str) -> list[str]:
+    """The paths of :func:`drop_in_names` beside ``main_file``; none when it cannot be listed."""
+    folder = conf_d(main_file)
+    try:
+        return [os.path.join(folder, name) for name in drop_in_names(folder)]
+    except OSError:
+        return []
+
+
 def guess_state_dir(main_file: str) -> str | None:
     """The ``state_dir`` the last top-level ``state_dir:`` line of the main file and its
     drop-ins names; None when there is none or its value is not plain or simply quoted."""
     found: str | None = None
-    folder = conf_d(main_file)
-    try:
-        names = drop_in_names(folder)
-    except OSError:
-        names = []
-    for path in [main_file, *(os.path.join(folder, n) for n in names)]:
+    for path in [main_file, *drop_in_paths(main_file)]:
         try:
             if not stat.S_ISREG(os.lstat(path).st_mode):
                 return None  # never opened, as the reader does: opening a device may act

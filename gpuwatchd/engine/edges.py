@@ -25,7 +25,7 @@ from gpuwatchd.core.model import Pause as Pause  # noqa: PLC0414 - re-exported: 
 from gpuwatchd.core.vocabulary import Level
 from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
-from gpuwatchd.decide.gpu_ids import pci_bus_key
+from gpuwatchd.decide.gpu_ids import pci_device
 from gpuwatchd.decide.health.state import MAX_XID_KINDS
 from gpuwatchd.decide.nvml_state import NvmlAvailability
 from gpuwatchd.decide.plan.intents import Intent
@@ -80,9 +80,9 @@ class TakenXids:
         read = {gpu.uuid for gpu in gpus if gpu.health is not None}
         events = {uuid: xids for uuid, xids in self.events.items() if uuid in read}
         self.events = {uuid: xids for uuid, xids in self.events.items() if uuid not in read}
-        unread = {_device(gpu.pci_bus_id) for gpu in gpus if gpu.health is None} - {None}
+        unread = {pci_device(gpu.pci_bus_id) for gpu in gpus if gpu.health is None} - {None}
         logged = (self.kernel if gpus else ()) + snapshot.kernel_xids
-        waits = [_device(f"{run.pci}.0") in unread for run in logged]
+        waits = [pci_device(run.pci, kernel_log=True) in unread for run in logged]
         kernel = tuple(run for run, wait in zip(logged, waits, strict=True) if not wait)
         if gpus:
             self.kernel = tuple(run for run, wait in zip(logged, waits, strict=True) if wait)
@@ -109,13 +109,6 @@ def _folded(events: tuple[XidEvent, ...]) -> tuple[XidEvent, ...]:
             first.setdefault(event.xid, i)
             last[event.xid] = i
     return tuple(events[i] for i in sorted({*first.values(), *last.values()}))
-
-
-def _device(bus_id: str | None) -> tuple[int, int, int] | None:
-    """A PCI bus id's domain, bus and device (the kernel log's ``0000:17:00`` is NVML's
-    ``00000000:17:00.0``, as decide/health/judge.py matches them)."""
-    key = None if bus_id is None else pci_bus_key(bus_id)
-    return None if key is None else key[:3]
 
 
 class Actuator(Protocol):

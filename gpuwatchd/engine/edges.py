@@ -11,7 +11,9 @@ from typing import Protocol, TypeVar
 
 from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.act.signals import SignalResult
+from gpuwatchd.core.checked import items, number, obj
 from gpuwatchd.core.model import (
+    MAX_XID,
     GpuInfo,
     HolderScan,
     KernelXid,
@@ -20,6 +22,7 @@ from gpuwatchd.core.model import (
     Snapshot,
     Spare,
     XidEvent,
+    as_int,
 )
 from gpuwatchd.core.model import Pause as Pause  # noqa: PLC0414 - re-exported: a poll input
 from gpuwatchd.core.vocabulary import Level
@@ -63,6 +66,26 @@ class TakenXids:
 
     events: dict[str, tuple[XidEvent, ...]] = field(default_factory=dict)  # by GPU UUID
     kernel: tuple[KernelXid, ...] = ()
+
+    def to_json(self) -> dict[str, object]:
+        """NVML's events, saved: nothing delivers them again (the kernel log is read again)."""
+        return {uuid: [[x.xid, x.wall] for x in xids] for uuid, xids in sorted(self.events.items())}
+
+    @classmethod
+    def from_json(cls, data: object) -> TakenXids:
+        """Rebuild :meth:`to_json`'s form; ValueError naming the bad entry otherwise."""
+        events: dict[str, tuple[XidEvent, ...]] = {}
+        for uuid, raw in obj(data, "taken_xids").items():
+            what = f"taken_xids.{uuid}"
+            kept = []
+            for entry in items(raw, what, MAX_KEPT_XIDS):
+                pair = items(entry, what)
+                xid = as_int(pair[0]) if len(pair) == 2 else None
+                if xid is None or not 0 <= xid <= MAX_XID:
+                    raise ValueError(f"{what}: expected [xid, wall] pairs")
+                kept.append(XidEvent(xid, number(pair[1], what)))
+            events[uuid] = tuple(kept)
+        return cls(events)
 
     def add(self, gpus: Iterable[GpuInfo], kernel: tuple[KernelXid, ...] = ()) -> None:
         for gpu in gpus:
@@ -184,6 +207,7 @@ class Standing:
     verdict: NodeVerdict | None
     spares: tuple[Spare, ...]
     nvml: NvmlAvailability
+    taken_xids: Mapping[str, object]  # TakenXids.to_json(): NVML's events the next poll judges
 
 
 @dataclass(frozen=True)

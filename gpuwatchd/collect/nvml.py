@@ -24,6 +24,7 @@ from gpuwatchd.collect.mig import MAX_INSTANCE_ID, MAX_MIG_DEVICES
 from gpuwatchd.core.checked import as_flag, as_map, as_number, items, obj, opt_integer, opt_text
 from gpuwatchd.core.codec import decode_json_object
 from gpuwatchd.core.model import (
+    MAX_XID,
     GpuHealth,
     GpuInfo,
     GpuMemory,
@@ -469,7 +470,6 @@ def decode_gpu(raw: object) -> GpuInfo:
 # --- a GPU's health and MIG devices: a value of the wrong type or out of range is unknown, never
 # a number that could lead to an action (what it means is decide/health/judge.py's) ----------
 
-MAX_XID = 0xFFFF  # Xid numbers are small (under 200 today); anything past this is garbage
 MAX_RECOVERY_ACTION = 255
 MAX_COUNT = 2**32 - 1  # NVML's counters are unsigned int
 MAX_XIDS_PER_POLL = 256  # the worker takes no more; a longer list is cut

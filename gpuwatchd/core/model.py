@@ -247,6 +247,9 @@ class Support(str, enum.Enum):
         return self.value
 
 
+MAX_XID = 0xFFFF  # Xid numbers are small (under 200 today); anything past this is garbage
+
+
 @dataclass(frozen=True)
 class XidEvent:
     """One Xid critical-error event NVML delivered, with the wall time the worker read it."""

@@ -53,7 +53,7 @@ from gpuwatchd.decide.verdict import (
     once_progress,
 )
 from gpuwatchd.engine.cycle import Engine, EngineState
-from gpuwatchd.engine.edges import Pause, PollInputs, PollReport, Standing
+from gpuwatchd.engine.edges import Pause, PollInputs, PollReport, Standing, TakenXids
 from gpuwatchd.events.catalogue import hook_outcome
 from gpuwatchd.events.words import JournalNamer, finding_label, short
 from gpuwatchd.served.guard import ServedPoll, early_poll_at
@@ -721,11 +721,13 @@ class Daemon:
                     flight = plan.reset_in_flight
                     plan = another_boots(plan, rebooted=boot_id is not None)
                     plan = dataclasses.replace(plan, reset_in_flight=flight)
+                taken = TakenXids.from_json(data.get("taken_xids", {}))
                 self.engine.restore(
                     EngineState(
                         assess=assess,
                         plan=plan,
                         reset_in_progress=record,
+                        taken=TakenXids() if rebooted else taken,  # a reboot re-initialises GPUs
                     )
                 )
             except ValueError as exc:  # it may echo a saved key or entry: cut as values are
@@ -755,6 +757,7 @@ class Daemon:
             state.assess,
             dataclasses.replace(state.plan, last_wall=None, last_monotonic=None),
             state.reset_in_progress,
+            state.taken_xids,
             self.actions_seen,
             self.policy,  # a reload (the same object is compared by identity: cheap)
             self.policy_rejected,
@@ -776,6 +779,7 @@ class Daemon:
                 "assess": state.assess.to_json(),
                 "plan": state.plan.to_json(),
                 "reset_in_progress": state.reset_in_progress,
+                "taken_xids": state.taken_xids,
                 "status": status,
             }
         )

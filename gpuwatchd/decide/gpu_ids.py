@@ -8,6 +8,7 @@ import re
 from collections.abc import Sequence
 
 BusKey = tuple[int, int, int, int]  # domain, bus, device, function
+DeviceKey = tuple[int, int, int]  # domain, bus, device: a GPU whichever function is named
 _BUS_ID = re.compile(r"(?:([0-9a-f]{1,8}):)?([0-9a-f]{1,2}):([0-9a-f]{1,2})\.([0-7])")
 
 
@@ -19,6 +20,14 @@ def pci_bus_key(text: str) -> BusKey | None:
         return None
     domain, bus, device, function = match.groups()
     return (int(domain or "0", 16), int(bus, 16), int(device, 16), int(function, 16))
+
+
+def pci_device(bus_id: str | None, *, kernel_log: bool = False) -> DeviceKey | None:
+    """A bus id's domain, bus and device: NVML's ``00000000:17:00.0`` or, with ``kernel_log``,
+    the kernel log's ``0000:17:00`` (it names no function); None for None and for anything
+    else (the kernel log's form where NVML's is read, and the other way round)."""
+    key = None if bus_id is None else pci_bus_key(f"{bus_id}.0" if kernel_log else bus_id)
+    return None if key is None else key[:3]
 
 
 def same_pci_bus_id(one: str, other: str) -> bool:

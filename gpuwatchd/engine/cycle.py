@@ -124,6 +124,7 @@ class EngineState:
     assess: AssessState = field(default_factory=AssessState)
     plan: PlanState = field(default_factory=PlanState)
     reset_in_progress: dict[str, object] | None = None
+    taken: TakenXids = field(default_factory=TakenXids)  # by a reading between polls
 
 
 @dataclass(eq=False)
@@ -155,7 +156,6 @@ class Engine:
             collections.deque()
         )
         self._crashed: collections.deque[str] = collections.deque()  # background_crashed
-        self._taken = TakenXids()  # by a reading inside the reset procedure: the next poll's
         self._snapshot: Snapshot | None = None
         self._assessment: Assessment | None = None
         self._verdict: NodeVerdict | None = None  # each GPU clean for a new job?
@@ -241,7 +241,7 @@ class Engine:
 
     def _read(self) -> Snapshot:
         """The poll's snapshot, with the spares in force, NVML's availability changes said."""
-        snapshot = self._taken.first_in(self.reader.collect())
+        snapshot = self.state.taken.first_in(self.reader.collect())
         if self.spares:
             # Read at ``_spares_read`` (wall): their ends keep the time they had left then,
             # whatever the wall clock did since (a step must not end one early).
@@ -323,6 +323,7 @@ class Engine:
             self._verdict,
             self.spares,
             self.nvml_availability,
+            state.taken.to_json(),
         )
 
     def _replan_held(
@@ -894,12 +895,12 @@ class Engine:
         detection = self.policy.detection
         baseline = self.state.assess.baselines.get(recovery.mig_uuid, detection.default_baseline)
         snapshot = self.reader.collect()
-        self._taken.add(snapshot.nvml.gpus, snapshot.kernel_xids)  # the next poll's
+        self.state.taken.add(snapshot.nvml.gpus, snapshot.kernel_xids)  # the next poll's
         return recovered(recovery, snapshot, max_used=baseline + detection.ghost_margin)
 
     def _read_gpu(self, uuid: str) -> GpuInfo | None:
         gpus = self.reader.read_gpus()  # it takes every GPU's queued Xid events: kept
-        self._taken.add(gpus)
+        self.state.taken.add(gpus)
         return next((gpu for gpu in gpus if gpu.uuid == uuid), None)
 
     def reread_gpu(self, target: ResetTarget) -> GpuInfo | None:

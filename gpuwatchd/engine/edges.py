@@ -11,7 +11,9 @@ from typing import Protocol, TypeVar
 
 from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.act.signals import SignalResult
+from gpuwatchd.core.checked import items, number, obj
 from gpuwatchd.core.model import (
+    MAX_XID,
     GpuInfo,
     HolderScan,
     KernelXid,
@@ -20,12 +22,13 @@ from gpuwatchd.core.model import (
     Snapshot,
     Spare,
     XidEvent,
+    as_int,
 )
 from gpuwatchd.core.model import Pause as Pause  # noqa: PLC0414 - re-exported: a poll input
 from gpuwatchd.core.vocabulary import Level
 from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
-from gpuwatchd.decide.gpu_ids import pci_bus_key
+from gpuwatchd.decide.gpu_ids import pci_device
 from gpuwatchd.decide.health.state import MAX_XID_KINDS
 from gpuwatchd.decide.nvml_state import NvmlAvailability
 from gpuwatchd.decide.plan.intents import Intent
@@ -64,6 +67,26 @@ class TakenXids:
     events: dict[str, tuple[XidEvent, ...]] = field(default_factory=dict)  # by GPU UUID
     kernel: tuple[KernelXid, ...] = ()
 
+    def to_json(self) -> dict[str, object]:
+        """NVML's events, saved: nothing delivers them again (the kernel log is read again)."""
+        return {uuid: [[x.xid, x.wall] for x in xids] for uuid, xids in sorted(self.events.items())}
+
+    @classmethod
+    def from_json(cls, data: object) -> TakenXids:
+        """Rebuild :meth:`to_json`'s form; ValueError naming the bad entry otherwise."""
+        events: dict[str, tuple[XidEvent, ...]] = {}
+        for uuid, raw in obj(data, "taken_xids").items():
+            what = f"taken_xids.{uuid}"
+            kept = []
+            for entry in items(raw, what, MAX_KEPT_XIDS):
+                pair = items(entry, what)
+                xid = as_int(pair[0]) if len(pair) == 2 else None
+                if xid is None or not 0 <= xid <= MAX_XID:
+                    raise ValueError(f"{what}: expected [xid, wall] pairs")
+                kept.append(XidEvent(xid, number(pair[1], what)))
+            events[uuid] = tuple(kept)
+        return cls(events)
+
     def add(self, gpus: Iterable[GpuInfo], kernel: tuple[KernelXid, ...] = ()) -> None:
         for gpu in gpus:
             if gpu.health is not None and gpu.health.xids:
@@ -80,9 +103,9 @@ class TakenXids:
         read = {gpu.uuid for gpu in gpus if gpu.health is not None}
         events = {uuid: xids for uuid, xids in self.events.items() if uuid in read}
         self.events = {uuid: xids for uuid, xids in self.events.items() if uuid not in read}
-        unread = {_device(gpu.pci_bus_id) for gpu in gpus if gpu.health is None} - {None}
+        unread = {pci_device(gpu.pci_bus_id) for gpu in gpus if gpu.health is None} - {None}
         logged = (self.kernel if gpus else ()) + snapshot.kernel_xids
-        waits = [_device(f"{run.pci}.0") in unread for run in logged]
+        waits = [pci_device(run.pci, kernel_log=True) in unread for run in logged]
         kernel = tuple(run for run, wait in zip(logged, waits, strict=True) if not wait)
         if gpus:
             self.kernel = tuple(run for run, wait in zip(logged, waits, strict=True) if wait)
@@ -109,13 +132,6 @@ def _folded(events: tuple[XidEvent, ...]) -> tuple[XidEvent, ...]:
             first.setdefault(event.xid, i)
             last[event.xid] = i
     return tuple(events[i] for i in sorted({*first.values(), *last.values()}))
-
-
-def _device(bus_id: str | None) -> tuple[int, int, int] | None:
-    """A PCI bus id's domain, bus and device (the kernel log's ``0000:17:00`` is NVML's
-    ``00000000:17:00.0``, as decide/health/judge.py matches them)."""
-    key = None if bus_id is None else pci_bus_key(bus_id)
-    return None if key is None else key[:3]
 
 
 class Actuator(Protocol):
@@ -191,6 +207,7 @@ class Standing:
     verdict: NodeVerdict | None
     spares: tuple[Spare, ...]
     nvml: NvmlAvailability
+    taken_xids: Mapping[str, object]  # TakenXids.to_json(): NVML's events the next poll judges
 
 
 @dataclass(frozen=True)

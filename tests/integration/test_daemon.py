@@ -10,6 +10,7 @@ import resource
 import signal
 import socket
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -31,6 +32,7 @@ from gpuwatchd.core.model import (
     NvmlReading,
     ProcessInfo,
     Snapshot,
+    XidEvent,
 )
 from gpuwatchd.core.vocabulary import EventName, ExitCode, LadderStatus, Level, ResetStep
 from gpuwatchd.daemon.lifecycle import Daemon
@@ -56,7 +58,10 @@ from gpuwatchd.served.scan_socket import SOCKET_NAME, ScanAnswer
 from gpuwatchd.state.directory import StateDir
 from gpuwatchd.state.pause import clear_latches
 from gpuwatchd.state.saved import STATE
-from tests.support.enginerig import Actuator, Clock, Reader, ghost_host
+from tests.support.enginerig import W0, Actuator, Clock, Reader, ghost_host
+from tests.support.healthcases import GPU0 as HEALTH_GPU0
+from tests.support.healthcases import GPU1 as HEALTH_GPU1
+from tests.support.healthcases import gpu, health, snap
 from tests.support.resetrig import instance_gpu
 
 
@@ -494,11 +499,20 @@ _REFUSED_STATE = (EventName.STATE_INVALID, EventName.STATE_CORRUPT)
         json.dumps({**_GOOD, "plan": {**_GOOD_PLAN, "version": 99}}).encode(),
         json.dumps({**_GOOD, "plan": {**_GOOD_PLAN, "ladders": "garbage"}}).encode(),
         json.dumps({**_GOOD, "reset_in_progress": [1]}).encode(),
+        json.dumps({**_GOOD, "taken_xids": {"GPU-1": [[48, "noon"]]}}).encode(),
         json.dumps({**_GOOD, "version": 2}).encode(),
         json.dumps({**_GOOD, "version": True}).encode(),  # == 1 in Python, no version 1
         b"{not json",
     ],
-    ids=["plan-version", "plan-part", "reset-record", "envelope-version", "true", "corrupt"],
+    ids=[
+        "plan-version",
+        "plan-part",
+        "reset-record",
+        "taken-xids",
+        "envelope-version",
+        "true",
+        "corrupt",
+    ],
 )
 def test_an_unreadable_state_is_kept_aside_and_the_daemon_holds_in_a_latched_dry_run(
     tmp_path: Path, content: bytes
@@ -757,6 +771,84 @@ def test_a_state_saved_with_no_boot_id_is_another_boots_and_its_xids_are_forgott
         daemon._load_state()
         assert daemon.engine.state.assess.health == (history if boot else HealthState())
         assert daemon.save_state()
+
+
+@dataclass
+class _XidReader(Reader):
+    """GPUs 0 and 1. The first poll's reading takes Xid 48 of GPU ``first``; a reading of the
+    GPUs between polls (a reset procedure's) takes Xid 48 of GPU 1."""
+
+    first: int = 0
+    polls: int = 0
+
+    def collect(self) -> Snapshot:
+        self.polls += 1
+        xid = XidEvent(48, self.clock.wall())
+        gpus = [gpu(0, HEALTH_GPU0, health()), gpu(1, HEALTH_GPU1, health())]
+        if self.polls == 1:
+            gpus[self.first] = gpu(self.first, gpus[self.first].uuid, health(xids=(xid,)))
+        return snap(*gpus, t=self.clock.now)
+
+    def read_gpus(self) -> tuple[GpuInfo, ...]:
+        xid = XidEvent(48, self.clock.wall())
+        return gpu(0, HEALTH_GPU0, health()), gpu(1, HEALTH_GPU1, health(xids=(xid,)))
+
+
+@pytest.mark.parametrize(
+    ("taken", "boot"),
+    [("by a poll", "this"), ("between polls", "this"), ("between polls", "another")],
+)
+def test_an_xid_that_asks_for_a_reset_is_still_known_after_a_stop_before_the_reset(
+    tmp_path: Path, taken: str, boot: str
+) -> None:
+    """NVML delivers an Xid event once, and with ``health.kernel_log`` off nothing reads it
+    again. Xid 48 of GPU 1 (reset it), then a stop before its reset, then a start: one a poll
+    read is in the health history the state file keeps; one a reading between polls took (GPU
+    0's reset reading it again) waited in memory for the next poll, and the stop lost it: the
+    restarted daemon never reset GPU 1. The state file keeps it too (``taken_xids``), for this
+    boot only: a reboot re-initialises every GPU."""
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    policy = dataclasses.replace(default_policy(), state_dir=str(state_dir), dry_run=False)
+    daemon = Daemon(policy, config_path=str(tmp_path / "none.yaml"))
+    first = _XidReader(Clock(), ghost_host, first=1 if taken == "by a poll" else 0)
+    daemon.engine.reader, daemon.engine.actuator = first, Actuator()
+    daemon._stop = taken == "by a poll"  # SIGTERM: a reset not started is left
+    daemon.engine.poll()  # its checkpoint saves the state: then a stop (or a crash)
+    assert [argv[-1] for argv in reset_argvs(daemon)] == ([] if daemon._stop else [HEALTH_GPU0])
+    if boot == "another":
+        saved = json.loads((state_dir / "state.json").read_text())
+        (state_dir / "state.json").write_bytes(STATE.encode({**saved, "boot_id": "another"}))
+    daemon = Daemon(policy, config_path=str(tmp_path / "none.yaml"))
+    daemon._load_state()
+    daemon.engine.reader = _XidReader(Clock(600.0), ghost_host, polls=1)
+    daemon.engine.actuator = Actuator()
+    found = [(f.kind, f.gpu) for f in daemon.engine.poll().assessment.findings]
+    expected = [(FindingKind.RESET_REQUIRED, HEALTH_GPU1)] if boot == "this" else []
+    assert found == expected
+    assert [argv[-1] for argv in reset_argvs(daemon)] == [gpu for _, gpu in expected]
+
+
+def test_a_checkpoint_saves_the_xid_events_a_reading_took_since_the_last_one(
+    tmp_path: Path,
+) -> None:
+    """A reading inside a reset (its health check, each second of an NVLink fabric wait)
+    takes Xid events, and the reset's next step checkpoints: the state file has them then,
+    though nothing else changed (a crash keeps them)."""
+    daemon, _ = _daemon_with_config(tmp_path, "dry_run: true\n")
+    (tmp_path / "state").mkdir(mode=0o700)
+    daemon.engine.reader = _XidReader(Clock(), ghost_host, polls=1)
+    daemon.engine.poll()
+    target = ResetTarget(uuid=HEALTH_GPU0, pci_bus_id=None, minor=0, persistence_was_on=False)
+    daemon.engine.memory_back_to_baseline(target)  # takes GPU 1's Xid 48
+    assert daemon.save_state()
+    saved = json.loads((tmp_path / "state" / "state.json").read_text())
+    assert saved["taken_xids"] == {HEALTH_GPU1: [[48, W0]]}
+
+
+def reset_argvs(daemon: Daemon) -> list[tuple[str, ...]]:
+    assert isinstance(daemon.engine.actuator, Actuator)
+    return [argv for argv, _ in daemon.engine.actuator.commands if "--gpu-reset" in argv]
 
 
 def test_slow_work_before_ready_extends_the_units_start_timeout(

@@ -8,6 +8,7 @@ cycle that ``run``, ``run --once`` and ``simulate`` share.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -792,6 +793,43 @@ def test_xids_kept_through_a_storm_are_bounded_and_a_later_xid_is_still_judged()
     assert (xids[0], xids[-2:]) == ((13, 0.0), [(13, 39.0), (48, 50.0)])
     found = assess_health(read, HealthState(), boot_changed=False).findings
     assert [(f.kind, f.gpu) for f in found] == [(FindingKind.RESET_REQUIRED, HEALTH_GPU1)]
+
+
+def test_taken_xid_events_go_through_the_state_file_and_back() -> None:
+    """NVML's events are saved (nothing delivers them again); the kernel log's are not (the
+    next start reads this boot's log again); a file from before the key has none."""
+    taken = TakenXids()
+    events = XidEvent(48, 1_700_000_900.5), XidEvent(79, 1_700_000_901.0)
+    logged = KernelXid("0000:11:00", 48, 900.0, 900.0, 7)
+    taken.add([gpu(1, HEALTH_GPU1, health(xids=events))], (logged,))
+    saved = json.loads(json.dumps(taken.to_json()))
+    assert saved == {HEALTH_GPU1: [[48, 1_700_000_900.5], [79, 1_700_000_901.0]]}
+    assert TakenXids.from_json(saved) == TakenXids({HEALTH_GPU1: events})
+    assert TakenXids.from_json({}) == TakenXids()
+
+
+@pytest.mark.parametrize(
+    "saved",
+    [
+        [],
+        {HEALTH_GPU1: {}},
+        {HEALTH_GPU1: [48, 900.0]},
+        {HEALTH_GPU1: [[48]]},
+        {HEALTH_GPU1: [[48, 900.0, 1]]},
+        {HEALTH_GPU1: [["48", 900.0]]},
+        {HEALTH_GPU1: [[True, 900.0]]},
+        {HEALTH_GPU1: [[48.0, 900.0]]},
+        {HEALTH_GPU1: [[-1, 900.0]]},
+        {HEALTH_GPU1: [[0x10000, 900.0]]},  # past the collector's MAX_XID: garbage
+        {HEALTH_GPU1: [[48, None]]},
+        {HEALTH_GPU1: [[48, "900"]]},
+        {HEALTH_GPU1: [[48, float("inf")]]},
+        {HEALTH_GPU1: [[48, 900.0]] * (MAX_KEPT_XIDS + 1)},  # more than a GPU keeps
+    ],
+)
+def test_saved_taken_xids_not_of_the_written_shape_are_refused_naming_them(saved: object) -> None:
+    with pytest.raises(ValueError, match="taken_xids"):
+        TakenXids.from_json(saved)
 
 
 @dataclass

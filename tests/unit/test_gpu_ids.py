@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 
 from gpuwatchd.config.keys import normalize_gpu_id
-from gpuwatchd.decide.gpu_ids import nvml_bus_id, pci_bus_key, same_pci_bus_id, slurm_numbering
+from gpuwatchd.decide.gpu_ids import (
+    nvml_bus_id,
+    pci_bus_key,
+    pci_device,
+    same_pci_bus_id,
+    slurm_numbering,
+)
 
 
 @pytest.mark.parametrize(
@@ -26,6 +32,34 @@ from gpuwatchd.decide.gpu_ids import nvml_bus_id, pci_bus_key, same_pci_bus_id, 
 )
 def test_a_bus_id_is_read_however_it_is_spelled(text: str, key: tuple[int, ...] | None) -> None:
     assert pci_bus_key(text) == key
+
+
+@pytest.mark.parametrize(
+    ("bus_id", "kernel_log", "device"),
+    [
+        ("00000000:3B:00.0", False, (0, 0x3B, 0)),  # NVML's
+        ("00000000:3B:00.1", False, (0, 0x3B, 0)),  # another function of the same device
+        ("0000:3b:00", True, (0, 0x3B, 0)),  # the kernel log's names no function
+        ("0001:17:1F", True, (1, 0x17, 0x1F)),
+        (" 0000:3b:00", True, (0, 0x3B, 0)),  # read as pci_bus_key reads it
+        ("0000:3b:00 ", True, None),
+        ("0000:3b:00.0", True, None),  # the kernel log's form has no function
+        ("0000:3b:00", False, None),  # nor has NVML's none
+        ("", False, None),
+        ("", True, None),
+        (None, False, None),
+        (None, True, None),
+        ("GPU-1", False, None),
+        ("0000:3b:00.0\n", True, None),
+        ("000000000:3b:00", True, None),  # a domain of 9 digits
+    ],
+)
+def test_a_gpu_is_its_bus_ids_domain_bus_and_device_in_either_log(
+    bus_id: str | None, kernel_log: bool, device: tuple[int, int, int] | None
+) -> None:
+    """NVML's bus id and the kernel log's name one GPU by the same domain, bus and device
+    (engine/edges.py's TakenXids and decide/health/judge.py match the kernel log's Xids so)."""
+    assert pci_device(bus_id, kernel_log=kernel_log) == device
 
 
 def test_two_spellings_of_one_function_are_the_same_and_text_is_never_a_bus_id() -> None:

@@ -195,6 +195,20 @@ def test_a_kernel_xid_of_a_gpu_nvml_does_not_report_is_not_counted() -> None:
     assert result.state.gpus[GPU0].xids == {}
 
 
+def test_a_kernel_xid_goes_only_to_a_gpu_nvml_names_by_bus_id_and_uuid() -> None:
+    """A GPU with no bus id, or with no UUID (a hostile reading: here after GPU 1, on its bus
+    id), takes no kernel-log Xid: neither one whose bus id is not one, nor GPU 1's."""
+    gpus = (
+        replace(gpu(0, GPU0, health()), pci_bus_id=None),
+        gpu(1, GPU1, health()),
+        replace(gpu(1, "", health()), index=2),
+    )
+    records = replace(kx(79, T), pci="zz:zz"), replace(kx(79, T), pci="0000:11:00")
+    result = assess_health(replace(snap(*gpus), kernel_xids=records), HealthState(),
+                           boot_changed=False)  # fmt: skip
+    assert (result.state.gpus[GPU0].xids, list(result.state.gpus[GPU1].xids)) == ({}, [79])
+
+
 def test_nvml_only_xids_are_judged_as_before() -> None:
     """No kernel log: the same finding, the same counts as before the kernel log existed."""
     h = health(xids=(XidEvent(79, T), XidEvent(79, T)))

@@ -19,7 +19,7 @@ from gpuwatchd.core.model import (
     Support,
 )
 from gpuwatchd.decide import kinds
-from gpuwatchd.decide.gpu_ids import pci_bus_key
+from gpuwatchd.decide.gpu_ids import DeviceKey, pci_device
 from gpuwatchd.decide.health import fabric
 from gpuwatchd.decide.health.state import (
     MAX_COUNT,
@@ -206,15 +206,14 @@ def _merge_xids(
 def _kernel_xids_by_gpu(snapshot: Snapshot) -> dict[str, list[KernelXid]]:
     """The kernel log's Xids by GPU UUID (its ``0000:17:00`` and NVML's ``00000000:17:00.0``
     compared as numbers); a record naming no GPU NVML reports is dropped."""
-    uuid_of: dict[tuple[int, int, int], str] = {}
+    uuid_of: dict[DeviceKey | None, str] = {}  # None (no bus id) names no GPU: never a key
     for gpu in snapshot.nvml.gpus:
-        key = pci_bus_key(gpu.pci_bus_id) if gpu.pci_bus_id else None
+        key = pci_device(gpu.pci_bus_id)
         if key is not None and gpu.uuid:
-            uuid_of[key[:3]] = gpu.uuid
+            uuid_of[key] = gpu.uuid
     found: dict[str, list[KernelXid]] = {}
     for record in snapshot.kernel_xids:
-        key = pci_bus_key(record.pci + ".0")
-        uuid = uuid_of.get(key[:3]) if key is not None else None
+        uuid = uuid_of.get(pci_device(record.pci, kernel_log=True))
         if uuid is not None:
             found.setdefault(uuid, []).append(record)
     return found

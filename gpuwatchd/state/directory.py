@@ -253,11 +253,7 @@ class StateDir:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name, dir_fd=self.fd)
 
-    def rename(self, name: str, new_name: str) -> None:
-        os.rename(name, new_name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
-
     def names(self, prefix: str = "") -> list[str]:
-        """The entries whose names start with ``prefix``, sorted."""
         return sorted(name for name in os.listdir(self.fd) if name.startswith(prefix))
 
     # -- the locks -----------------------------------------------------------------------------

@@ -91,7 +91,6 @@ def _why_not_written(path: str, err: OSError) -> str:
 
 
 def _label(value: object, allowed: frozenset[str]) -> str:
-    """``value`` as a label value if it is one of ``allowed``, else ``other``."""
     text = str(value)
     return text if text in allowed else OTHER
 
@@ -123,7 +122,6 @@ def remove_textfile(path: str) -> bool:
 
 
 def _ours(dir_fd: int, name: str) -> bool:
-    """Whether ``name`` is a regular file whose first MiB holds our build_info sample."""
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         fd = os.open(name, flags, dir_fd=dir_fd)
@@ -378,17 +376,14 @@ class _StateGauges:
         statuses = Tally(str(ladder.status) for ladder in state.ladders.values())
         for status in LadderStatus:
             self.ladders.labels(status.value).set(statuses[status.value])
-        values = {
-            "dry_run": dry_run,
-            "policy_rejected": policy_rejected,
-            "paused": state.paused,
-            "kill_cap_latched": state.forced_dry_run,
-            "reset_circuit_open": state.circuit_open,
-            "nvml_wedged": nvml.wedged,
-            "nvml_unavailable": not nvml.available,
-        }
-        for name, gauge in self.flags.items():
-            gauge.set(values[name])
+        flags = self.flags
+        flags["dry_run"].set(dry_run)
+        flags["policy_rejected"].set(policy_rejected)
+        flags["paused"].set(state.paused)
+        flags["kill_cap_latched"].set(state.forced_dry_run)
+        flags["reset_circuit_open"].set(state.circuit_open)
+        flags["nvml_wedged"].set(nvml.wedged)
+        flags["nvml_unavailable"].set(not nvml.available)
         ends = state.paused_until if state.paused else None
         self.paused_until.set(0.0 if ends is None else ends)
 

@@ -54,7 +54,6 @@ class ScanAnswer(NamedTuple):
 
 
 def trusted_peer(uid: int, own_uid: int) -> bool:
-    """Whether a peer running as ``uid`` may be talked to: root, or this process's user."""
     return uid in (0, own_uid)
 
 

@@ -114,8 +114,7 @@ def open_directory(
                 what = "a symbolic link (not followed)" if is_link else "not a directory"
                 raise StateDirError(f"{here}: {what}") from None
             os.close(fd)
-            fd = child
-            where = here
+            fd, where = child, here
             _check(os.fstat(fd), where, owners, ancestor=not last)
     except BaseException:
         os.close(fd)

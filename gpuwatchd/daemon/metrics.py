@@ -58,18 +58,6 @@ _KINDS = frozenset(k.value for k in FindingKind)
 _HOOK_RESULTS = {HookOutcome.DRY_RUN.value: "dry_run", HOOK_SUCCEEDED: "ok"}
 
 
-def _without_created(text: bytes) -> bytes:
-    """``text`` (the text exposition format) less every ``*_created`` family: its HELP and
-    TYPE lines and its samples. No metric of ours is named so on purpose."""
-    kept = []
-    for line in text.split(b"\n"):
-        words = line.split(b" ", 3)
-        name = words[2] if line.startswith(b"# ") and len(words) > 2 else words[0]
-        if not name.split(b"{", 1)[0].endswith(b"_created"):
-            kept.append(line)
-    return b"\n".join(kept)
-
-
 def _why_not_written(path: str, err: OSError) -> str:
     """The write error, and for the two a folder made after the daemon started gives, what
     to do: a unit with ``ProtectSystem=strict`` sees a folder as writable only if it is in
@@ -499,8 +487,15 @@ class Metrics:
     def render(self) -> bytes:
         """The metrics in Prometheus' text exposition format, without the ``*_created``
         series prometheus_client adds to every counter and summary (a start time per label
-        set: noise in a textfile, and twice the series)."""
-        return _without_created(generate_latest(self.registry))
+        set: noise in a textfile, and twice the series): their HELP and TYPE lines and their
+        samples. No metric of ours is named so on purpose."""
+        kept = []
+        for line in generate_latest(self.registry).split(b"\n"):
+            words = line.split(b" ", 3)
+            name = words[2] if line.startswith(b"# ") and len(words) > 2 else words[0]
+            if not name.split(b"{", 1)[0].endswith(b"_created"):
+                kept.append(line)
+        return b"\n".join(kept)
 
     def write(self) -> str | None:
         """Write the file (if configured); why it failed, or None."""

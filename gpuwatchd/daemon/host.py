@@ -93,8 +93,7 @@ class LogSink:
     """Every engine event as one structlog event at its level (journald priority)."""
 
     def emit(self, name: str, level: Level, fields: Mapping[str, object]) -> None:
-        known = level in set(Level)
-        getattr(log, level if known else Level.INFO)(name, **fields)
+        getattr(log, level if level in set(Level) else Level.INFO)(name, **fields)
 
 
 def node_name() -> str | None:
@@ -193,7 +192,6 @@ class HookQueue:
 
 
 def procfs_for(policy: Policy) -> ProcFS:
-    """The ``/proc`` reader (and its holder scan) the policy's settings describe."""
     return ProcFS(
         policy.proc_root, devices_dir=policy.devices_dir, device_major=policy.device_major
     )
@@ -201,8 +199,6 @@ def procfs_for(policy: Policy) -> ProcFS:
 
 @dataclass
 class RealHost:
-    """The parts of the real host; :func:`build_real_host` makes them."""
-
     procfs: ProcFS
     nvml: NvmlClient
     collector: Collector

@@ -430,9 +430,8 @@ class Daemon:
             signal.signal(signum, on_signal)
 
     def _effective(self, policy: Policy) -> Policy:
-        if self.dry_run_flag and not policy.dry_run:
-            return dataclasses.replace(policy, dry_run=True)
-        return policy
+        forced = self.dry_run_flag and not policy.dry_run
+        return dataclasses.replace(policy, dry_run=True) if forced else policy
 
     def _check_files(self) -> None:
         """Validate the policy files again when they changed on disk, applying nothing: files
@@ -585,10 +584,9 @@ class Daemon:
         spares = read_spares(
             state_dir, clock, max_spare=self.policy.limits.max_spare, remove_stale=True
         )
-        for problem in spares.problems:
+        # Spares past MAX_SPARES are said once, not each poll.
+        for problem in (*spares.problems, *sorted(set(spares.over) - self._spares_over)):
             log.warning(EventName.SPARE_ENDED, why=f"ignored: {problem}")
-        for over in sorted(set(spares.over) - self._spares_over):  # said once, not each poll
-            log.warning(EventName.SPARE_ENDED, why=f"ignored: {over}")
         self._spares_over = frozenset(spares.over)
         for spare, was in spares.cut:
             log.warning(
@@ -799,8 +797,7 @@ class Daemon:
     def status_section(self, standing: Standing | None = None) -> dict[str, object]:
         """What ``gpuwatchd status`` reads besides the plan (docs/operations.md), from where
         the engine stands now unless given."""
-        if standing is None:
-            standing = self.engine.standing()
+        standing = standing or self.engine.standing()
         snapshot, assessment, verdict = standing.snapshot, standing.assessment, standing.verdict
         return {
             "pid": os.getpid(),

@@ -58,18 +58,6 @@ _KINDS = frozenset(k.value for k in FindingKind)
 _HOOK_RESULTS = {HookOutcome.DRY_RUN.value: "dry_run", HOOK_SUCCEEDED: "ok"}
 
 
-def _without_created(text: bytes) -> bytes:
-    """``text`` (the text exposition format) less every ``*_created`` family: its HELP and
-    TYPE lines and its samples. No metric of ours is named so on purpose."""
-    kept = []
-    for line in text.split(b"\n"):
-        words = line.split(b" ", 3)
-        name = words[2] if line.startswith(b"# ") and len(words) > 2 else words[0]
-        if not name.split(b"{", 1)[0].endswith(b"_created"):
-            kept.append(line)
-    return b"\n".join(kept)
-
-
 def _why_not_written(path: str, err: OSError) -> str:
     """The write error, and for the two a folder made after the daemon started gives, what
     to do: a unit with ``ProtectSystem=strict`` sees a folder as writable only if it is in
@@ -91,7 +79,6 @@ def _why_not_written(path: str, err: OSError) -> str:
 
 
 def _label(value: object, allowed: frozenset[str]) -> str:
-    """``value`` as a label value if it is one of ``allowed``, else ``other``."""
     text = str(value)
     return text if text in allowed else OTHER
 
@@ -123,7 +110,6 @@ def remove_textfile(path: str) -> bool:
 
 
 def _ours(dir_fd: int, name: str) -> bool:
-    """Whether ``name`` is a regular file whose first MiB holds our build_info sample."""
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         fd = os.open(name, flags, dir_fd=dir_fd)
@@ -378,17 +364,14 @@ class _StateGauges:
         statuses = Tally(str(ladder.status) for ladder in state.ladders.values())
         for status in LadderStatus:
             self.ladders.labels(status.value).set(statuses[status.value])
-        values = {
-            "dry_run": dry_run,
-            "policy_rejected": policy_rejected,
-            "paused": state.paused,
-            "kill_cap_latched": state.forced_dry_run,
-            "reset_circuit_open": state.circuit_open,
-            "nvml_wedged": nvml.wedged,
-            "nvml_unavailable": not nvml.available,
-        }
-        for name, gauge in self.flags.items():
-            gauge.set(values[name])
+        flags = self.flags
+        flags["dry_run"].set(dry_run)
+        flags["policy_rejected"].set(policy_rejected)
+        flags["paused"].set(state.paused)
+        flags["kill_cap_latched"].set(state.forced_dry_run)
+        flags["reset_circuit_open"].set(state.circuit_open)
+        flags["nvml_wedged"].set(nvml.wedged)
+        flags["nvml_unavailable"].set(not nvml.available)
         ends = state.paused_until if state.paused else None
         self.paused_until.set(0.0 if ends is None else ends)
 
@@ -504,8 +487,15 @@ class Metrics:
     def render(self) -> bytes:
         """The metrics in Prometheus' text exposition format, without the ``*_created``
         series prometheus_client adds to every counter and summary (a start time per label
-        set: noise in a textfile, and twice the series)."""
-        return _without_created(generate_latest(self.registry))
+        set: noise in a textfile, and twice the series): their HELP and TYPE lines and their
+        samples. No metric of ours is named so on purpose."""
+        kept = []
+        for line in generate_latest(self.registry).split(b"\n"):
+            words = line.split(b" ", 3)
+            name = words[2] if line.startswith(b"# ") and len(words) > 2 else words[0]
+            if not name.split(b"{", 1)[0].endswith(b"_created"):
+                kept.append(line)
+        return b"\n".join(kept)
 
     def write(self) -> str | None:
         """Write the file (if configured); why it failed, or None."""

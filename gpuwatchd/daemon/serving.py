@@ -113,7 +113,6 @@ class ScanServing:
             self._server = None
 
     def fileno(self) -> int | None:
-        """The listening socket to wait on, None when not listening."""
         return None if self._server is None else self._server.fileno()
 
     def answer(self) -> bool:
@@ -130,5 +129,4 @@ class ScanServing:
 
 
 def _save_failed(path: str) -> Callable[[str], None]:
-    """What says that a published file ``path`` could not be written."""
     return lambda error: log.error(EventName.STATE_SAVE_FAILED, path=path, error=error)

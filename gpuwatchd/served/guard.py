@@ -72,14 +72,7 @@ class ViewPublisher:
         if not self.dirty and content == self._content and 0 <= wall - self._polled < REFRESH:
             return False
         state_dir = self._state_dir()
-        if state_dir is None:
-            return False
-        try:
-            # No fsync, as for the dirty view: it describes this daemon's running poll and is
-            # refused once the daemon or the boot is gone, so a flush would only stall the poll.
-            state_dir.write(VIEW_FILE, json.dumps(view).encode(), sync=False)
-        except OSError as exc:
-            self._on_error(str(exc))
+        if state_dir is None or not self._write(state_dir, view):
             return False
         self._doc, self._content, self._polled, self.dirty = view, content, wall, False
         return True
@@ -92,18 +85,23 @@ class ViewPublisher:
         state_dir = self._state_dir()
         if state_dir is not None:
             doc = {**self._doc, "clean": False, "dirty_since": self._wall_clock()}
-            try:
-                # No fsync: other processes see the rename at once; after a crash the view
-                # is refused anyway (its daemon is not running).
-                state_dir.write(VIEW_FILE, json.dumps(doc).encode(), sync=False)
-            except OSError as exc:
-                self._on_error(str(exc))
-                with contextlib.suppress(OSError):
+            written = self._write(state_dir, doc)
+            with contextlib.suppress(OSError):
+                if not written:
                     state_dir.discard(VIEW_FILE)
-                    self.dirty = True
-            else:
                 self.dirty = True
         return self.dirty
+
+    def _write(self, state_dir: StateDir, doc: dict[str, object]) -> bool:
+        """Write ``doc`` as the view; False (said) when it failed. No fsync: other processes
+        see the rename at once, and the view describes this daemon's running poll, refused
+        once the daemon or the boot is gone (after a crash too): a flush would stall the poll."""
+        try:
+            state_dir.write(VIEW_FILE, json.dumps(doc).encode(), sync=False)
+        except OSError as exc:
+            self._on_error(str(exc))
+            return False
+        return True
 
 
 class GuardedWatch(DeviceWatch):

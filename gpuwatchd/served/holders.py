@@ -70,7 +70,6 @@ class HolderView:
         )  # fmt: skip
 
     def document(self, *, clean: bool = True) -> dict[str, object]:
-        """The view as the JSON-able document the daemon writes (``json.dumps`` of it)."""
         return {
             "watch_fd": self.watch_fd,
             "clean": clean,

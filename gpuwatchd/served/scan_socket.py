@@ -54,7 +54,6 @@ class ScanAnswer(NamedTuple):
 
 
 def trusted_peer(uid: int, own_uid: int) -> bool:
-    """Whether a peer running as ``uid`` may be talked to: root, or this process's user."""
     return uid in (0, own_uid)
 
 
@@ -233,10 +232,8 @@ class ScanServer:
         except Exception as err:  # a bug in the served scan: the command scans by itself
             self._on_error(f"the served scan failed: {type(err).__name__}: {err}")
             answer = ScanAnswer(False, f"the daemon's scan failed ({type(err).__name__})")
-        if answer.answered:
-            self.answered += 1
-        else:
-            self.declined += 1
+        self.answered += answer.answered
+        self.declined += not answer.answered
         return answer
 
     def close(self) -> None:

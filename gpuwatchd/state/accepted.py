@@ -37,7 +37,6 @@ class Fallback:
 
 
 def render_accepted(policy: Policy) -> str:
-    """The text saved for ``policy`` (:func:`gpuwatchd.config.schema.render_policy`)."""
     return (
         "# The last policy gpuwatchd accepted, saved by the daemon; run with when the configured\n"
         "# one is rejected at start (docs/operations.md, 'Failure modes'). Do not edit.\n"

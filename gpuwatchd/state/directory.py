@@ -114,8 +114,7 @@ def open_directory(
                 what = "a symbolic link (not followed)" if is_link else "not a directory"
                 raise StateDirError(f"{here}: {what}") from None
             os.close(fd)
-            fd = child
-            where = here
+            fd, where = child, here
             _check(os.fstat(fd), where, owners, ancestor=not last)
     except BaseException:
         os.close(fd)
@@ -253,11 +252,7 @@ class StateDir:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name, dir_fd=self.fd)
 
-    def rename(self, name: str, new_name: str) -> None:
-        os.rename(name, new_name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
-
     def names(self, prefix: str = "") -> list[str]:
-        """The entries whose names start with ``prefix``, sorted."""
         return sorted(name for name in os.listdir(self.fd) if name.startswith(prefix))
 
     # -- the locks -----------------------------------------------------------------------------

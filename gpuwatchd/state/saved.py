@@ -11,7 +11,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from gpuwatchd.core.checked import Value, as_map, as_number
+from gpuwatchd.core.checked import as_map, as_number
 from gpuwatchd.core.codec import Format
 from gpuwatchd.core.model import as_int
 from gpuwatchd.core.vocabulary import STATE_FILE_VERSION, EventName
@@ -43,17 +43,12 @@ class SavedState:
     problem: str | None = None
     found: bool = False
 
-    @property
-    def value(self) -> Value:
-        return Value(self.data)
-
     def same_boot(self, boot_id: str | None) -> bool:
         """Whether the state was written in the boot ``boot_id`` (its monotonic times hold)."""
         return self.data.get("boot_id") == boot_id
 
     @property
     def daemon_pid(self) -> int | None:
-        """The PID in the ``status`` section; None when absent or malformed."""
         pid = as_int(as_map(self.data.get("status")).get("pid"))
         return pid if pid is not None and pid > 0 else None
 
@@ -127,7 +122,8 @@ class StateStore:
         (or why it stayed), for an admin: the next save would overwrite it."""
         aside = f"{STATE_FILE}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
         try:
-            self.directory().rename(STATE_FILE, aside)
+            fd = self.directory().fd
+            os.rename(STATE_FILE, aside, src_dir_fd=fd, dst_dir_fd=fd)
         except OSError as exc:
             log.error(
                 EventName.STATE_CORRUPT, path=self.path, why=why, moved_to=None, error=str(exc)

@@ -99,7 +99,6 @@ def build_document(
 
 
 def action_sentence(name: str, fields: Mapping[str, object]) -> str:
-    """The catalogue's sentence for an action event, as ``status`` lists it."""
     return render(name, fields, JournalNamer())
 
 

@@ -11,8 +11,9 @@ import collections
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field, replace
+from functools import partial
 
-from gpuwatchd.act.commands import CommandResult, PreparedHook, fill_hooks, run_hooks
+from gpuwatchd.act.commands import CommandResult, fill_hooks, run_hooks
 from gpuwatchd.act.evidence import EvidenceAction, EvidenceKeeper, Kept, Step
 from gpuwatchd.act.reset import perform_reset
 from gpuwatchd.act.reset_resume import of_another_boot, resume_interrupted, shown_record
@@ -475,14 +476,22 @@ class Engine:
         values = {key: _text(facts.get(fact)) for key, fact in _HOOK_VALUES}
         values["hostname"] = self.hostname
         prepared = fill_hooks(hooks, values)
-        if intent.dry_run:
-            self._say_dry_run_hooks(intent, prepared, kept)
+        if intent.dry_run:  # each said as it would run (placeholders filled), none run
+            for hook in prepared:
+                self.emit(
+                    EventName.HOOK_RUN,
+                    Level.WARNING,  # a would-be action: reviewed with -p warning
+                    hook=intent.hook,
+                    argv=list(hook.argv),
+                    dry_run=True,
+                    outcome=HookOutcome.DRY_RUN,
+                    reason=intent.reason,
+                    **({} if hook.error is None else {"detail": f"would not run: {hook.error}"}),
+                    **kept,
+                )
             return ()
         env = self._hook_env(intent, values)
-
-        def work() -> list[CommandResult]:
-            return run_hooks(prepared, env=env, runner=self.actuator.run_command)
-
+        work = partial(run_hooks, prepared, env=env, runner=self.actuator.run_command)
         if intent.hook != HookName.ON_ACTION:
             self._report_hooks(intent, self.slow(work), kept)
             return ()
@@ -502,26 +511,6 @@ class Engine:
             )
         self.report_background_hooks()
         return ()
-
-    def _say_dry_run_hooks(
-        self,
-        intent: HookIntent,
-        hooks: Sequence[PreparedHook],
-        kept: Mapping[str, object],
-    ) -> None:
-        """A dry run's hooks: each said as it would run (placeholders filled), none run."""
-        for hook in hooks:
-            self.emit(
-                EventName.HOOK_RUN,
-                Level.WARNING,  # a would-be action: reviewed with -p warning
-                hook=intent.hook,
-                argv=list(hook.argv),
-                dry_run=True,
-                outcome=HookOutcome.DRY_RUN,
-                reason=intent.reason,
-                **({} if hook.error is None else {"detail": f"would not run: {hook.error}"}),
-                **kept,
-            )
 
     def _hook_env(self, intent: HookIntent, values: Mapping[str, str | None]) -> dict[str, str]:
         """The ``GPUWATCHD_*`` environment of ``intent``'s hooks: its facts, and for
@@ -644,18 +633,16 @@ class Engine:
                 instance_uuid=None if instance is None else instance.mig_uuid,
             )
         )
-
-        def work() -> ResetOutcome:
-            return perform_reset(
-                target,
-                self.policy.reset,
-                self,
-                dry_run=intent.dry_run,
-                runner=self.actuator.run_command,
-                drained=intent.drained,
-                fabric_wait=self._wait_for_fabric,
-            )
-
+        work = partial(
+            perform_reset,
+            target,
+            self.policy.reset,
+            self,
+            dry_run=intent.dry_run,
+            runner=self.actuator.run_command,
+            drained=intent.drained,
+            fabric_wait=self._wait_for_fabric,
+        )
         try:
             outcome = self.slow(work)
         except Exception as err:  # a bug in the procedure must not end the daemon

@@ -343,16 +343,11 @@ def _settle(
         else:
             # Its last report: the tree is ended and the keeper only has to exit (a while,
             # under load). Adopted, it would be counted as a command that left processes.
-            _await_exit(proc, deadline, marker)
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _kill_keeper(proc, marker)  # not exited by the deadline: ended here
     return report, error
-
-
-def _await_exit(proc: subprocess.Popen[bytes], deadline: float, marker: bytes) -> None:
-    """Wait for a keeper that sent its last report to exit, until ``deadline``; ended there."""
-    try:
-        proc.wait(max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        _kill_keeper(proc, marker)
 
 
 def _kill_keeper(proc: subprocess.Popen[bytes], marker: bytes) -> None:

@@ -690,7 +690,6 @@ class Engine:
         """Read the GPU until its NVLink fabric registration is COMPLETED (decide/health/fabric.py
         judges each reading), at most ``timeout`` seconds, a second apart."""
         deadline = self.clock.monotonic() + timeout
-        detail = "not read yet"
         while True:
             reading = self._read_gpu(target.uuid)
             verdict, detail = fabric.after_reset(None if reading is None else reading.health)

@@ -225,13 +225,11 @@ class Engine:
 
     def _take_switches(self, inputs: PollInputs) -> None:
         """The admin switches the poll was handed (a switch left None stays as it is)."""
-        if inputs.pause is not None:
-            pause = inputs.pause
+        if (pause := inputs.pause) is not None:
             self.set_paused(pause.reason, until=pause.until, resumed=pause.resumed)
         if inputs.spares is not None:
             self.set_spares(inputs.spares, read_at=inputs.spares_read_at)
-        made = inputs.clear_latches
-        if made is not None:  # lift a forced dry-run, close the reset circuit breaker
+        if (made := inputs.clear_latches) is not None:  # lift a forced dry-run, the reset breaker
             plan = clear_circuit(clear_forced_dry_run(self.state.plan, made), made)
             kept = ["node"] if plan.forced_dry_run else []
             kept += ["circuit"] if plan.reset_failures else []  # a reset failed after it

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuwatchd.core.checked import as_count
 from gpuwatchd.core.codec import decode_json_object
 from gpuwatchd.core.model import as_int
 from gpuwatchd.decide.argv import format_argv
@@ -233,15 +234,14 @@ def _result(
     """The keeper's report as a CommandResult (a report that is not one counts as unknown)."""
     error = report.get("error")
     errors = [error] if isinstance(error, str) and error else []
-    stuck = as_int(report.get("unkillable"))
-    if stuck is not None and stuck > 0:
+    stuck = as_count(report.get("unkillable")) or 0
+    if stuck:
         errors.append(
             f"{stuck} process(es) still running after SIGKILL "
             "(uninterruptible sleep in the driver?)"
         )
     if keeper_error is not None:
         errors.append(keeper_error)
-    leftovers = as_int(report.get("leftovers"))
     return CommandResult(
         argv=args,
         returncode=as_int(report.get("returncode")),
@@ -250,8 +250,8 @@ def _result(
         duration=duration,
         error="; ".join(errors) or None,
         cancelled=report.get("cancelled") is True,
-        leftovers=leftovers if leftovers is not None and leftovers > 0 else 0,
-        unkillable=stuck if stuck is not None and stuck > 0 else 0,
+        leftovers=as_count(report.get("leftovers")) or 0,
+        unkillable=stuck,
     )
 
 
@@ -343,16 +343,11 @@ def _settle(
         else:
             # Its last report: the tree is ended and the keeper only has to exit (a while,
             # under load). Adopted, it would be counted as a command that left processes.
-            _await_exit(proc, deadline, marker)
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _kill_keeper(proc, marker)  # not exited by the deadline: ended here
     return report, error
-
-
-def _await_exit(proc: subprocess.Popen[bytes], deadline: float, marker: bytes) -> None:
-    """Wait for a keeper that sent its last report to exit, until ``deadline``; ended there."""
-    try:
-        proc.wait(max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        _kill_keeper(proc, marker)
 
 
 def _kill_keeper(proc: subprocess.Popen[bytes], marker: bytes) -> None:
@@ -427,10 +422,7 @@ def _drain(fd: int, tail: _Tail, grace: float) -> None:
     deadline = time.monotonic() + grace
     poller = select.poll()
     poller.register(fd, select.POLLIN)
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return
+    while (remaining := deadline - time.monotonic()) > 0:
         if poller.poll(int(remaining * 1000) + 1) and not _read_available(fd, tail.add):
             return
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import shlex
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field, replace
+from functools import partial
 
 from gpuwatchd.act.commands import CommandResult, run_command, run_hooks
 from gpuwatchd.act.reset_target import (
@@ -25,6 +26,7 @@ from gpuwatchd.act.reset_target import (
     quote_output,
     says_in_use,
 )
+from gpuwatchd.core.model import GpuInfo
 from gpuwatchd.core.vocabulary import (
     EventName,
     Level,
@@ -248,6 +250,25 @@ class Procedure:
         reason = f"would be refused: {reason}" if self.dry_run else reason
         return self.finish(result, step, reason, blockers=blockers)
 
+    def reread(
+        self, step: ResetStep, judge: Callable[[GpuInfo | None], str | None], fine: str
+    ) -> str | None:
+        """The GPU read again and ``judge``d right before ``step`` acts: None when it is as the
+        step needs it (said as ``fine``), else why not (unknown counts as changed)."""
+        try:
+            gpu = self.env.reread_gpu(self.target)
+        except Exception as err:  # unknown is not as planned
+            why: str | None = f"reading the GPU again failed: {err}"
+        else:
+            why = judge(gpu)
+        self.event(
+            step,
+            ResetStepStatus.CHANGED if why else ResetStepStatus.AS_PLANNED,
+            level=Level.WARNING if why else Level.INFO,
+            detail=why or fine,
+        )
+        return why
+
     def health_check(self) -> tuple[bool, bool | None, str]:
         """(health command passed, memory back to baseline, detail); meaningless in a dry run."""
         self.begin(ResetStep.HEALTH_CHECK)
@@ -367,28 +388,21 @@ def _up_to_final_scan(proc: Procedure) -> ResetOutcome | None:
 def _layout_changed(proc: Procedure) -> str | None:
     """A MIG GPU read again right before its reset: None when it has exactly the recorded
     layout (the reset takes down every instance, the restore creates the recorded ones), else
-    what differs (unknown counts as changed). Said as the final scan's reading."""
-    layout, why = proc.target.layout, None
-    try:
-        gpu = proc.env.reread_gpu(proc.target)
-    except Exception as err:  # unknown is not as planned
-        why = f"reading the GPU again failed: {err}"
-    else:
+    what differs. Said as the final scan's reading."""
+    layout = proc.target.layout
+
+    def differs(gpu: GpuInfo | None) -> str | None:
         missing = layout_missing(layout, gpu)
         found = 0 if gpu is None else len(gpu.mig_devices or ())
         if isinstance(missing, str):
-            why = missing
-        elif missing:
-            why = f"{len(missing)} of its {len(layout)} recorded GPU instance(s) are gone"
-        elif found != len(layout):  # one more, or a GPU instance split in compute instances
-            why = f"it has {found} compute instance(s) where {len(layout)} were recorded"
-    proc.event(
-        ResetStep.FINAL_SCAN,
-        ResetStepStatus.CHANGED if why else ResetStepStatus.AS_PLANNED,
-        level=Level.WARNING if why else Level.INFO,
-        detail=why or "the recorded MIG layout",
-    )
-    return why
+            return missing
+        if missing:
+            return f"{len(missing)} of its {len(layout)} recorded GPU instance(s) are gone"
+        if found != len(layout):  # one more, or a GPU instance split in compute instances
+            return f"it has {found} compute instance(s) where {len(layout)} were recorded"
+        return None
+
+    return proc.reread(ResetStep.FINAL_SCAN, differs, "the recorded MIG layout")
 
 
 def _drain(proc: Procedure) -> ResetOutcome | None:
@@ -607,27 +621,6 @@ def half_done(recovery: InstanceRecovery, ran: Sequence[Sequence[str]], why: str
     )
 
 
-def _check_instance(
-    proc: Procedure, recovery: InstanceRecovery, *, before_first: bool
-) -> str | None:
-    """Read the parent GPU again: None when it is as the next command needs it (the plan's
-    instance before the first; a free placement before the re-create), else why not."""
-    try:
-        gpu = proc.env.reread_gpu(proc.target)
-    except Exception as err:  # unknown is not as planned
-        why: str | None = f"reading the GPU again failed: {err}"
-    else:
-        why = instance_changed(recovery, gpu) if before_first else placement_taken(recovery, gpu)
-    what = "the planned instance" if before_first else "its placement free for the re-create"
-    proc.event(
-        ResetStep.RESET,
-        ResetStepStatus.CHANGED if why else ResetStepStatus.AS_PLANNED,
-        level=Level.WARNING if why else Level.INFO,
-        detail=why or what,
-    )
-    return why
-
-
 def run_recovery(proc: Procedure, start: int = 0, *, resumed: bool = False) -> Ran:
     """``proc``'s recovery commands from ``start`` until one fails (docs/internals.md), never in
     a dry run: the last result (None when none ran) and its reading. ``resumed``: a destroy may
@@ -640,12 +633,14 @@ def run_recovery(proc: Procedure, start: int = 0, *, resumed: bool = False) -> R
     for number in range(start, len(commands)):
         ran = commands[:number]
         if number == 0 and not resumed:
-            changed = _check_instance(proc, recovery, before_first=True)
+            fine = "the planned instance"
+            changed = proc.reread(ResetStep.RESET, partial(instance_changed, recovery), fine)
             if changed is not None:
                 why = f"the instance changed since the plan ({changed}); nothing was run"
                 return None, ResetResult.REFUSED, False, why
         if number == last and number > 0:
-            taken = _check_instance(proc, recovery, before_first=False)
+            fine = "its placement free for the re-create"
+            taken = proc.reread(ResetStep.RESET, partial(placement_taken, recovery), fine)
             if taken is not None:
                 why = f"the destroy commands did not free its placement ({taken})"
                 return result, ResetResult.FAILED, False, half_done(recovery, ran, why)

@@ -170,14 +170,10 @@ def _to_check(proc: Procedure, step: ResetStep) -> bool:
 
 
 def _after_reboot(proc: Procedure, step: ResetStep) -> ResetOutcome:
-    """A record of another boot: the reboot reset the GPU, set its persistence mode afresh
-    and took every MIG instance down, so no GPU command is run (no persistence mode, health
-    check or re-create). Only what the reset did outside the GPU is undone: the monitors'
-    units started, the after hooks run, with the recorded result (``refused`` before the
-    reset command; ``failed`` while the GPU was still to check: it is not checked). Its own
-    records from here on (persistence mode not off, a result) run no GPU command either, and
-    stay another boot's (``rebooted``): the engine books none of it after a crash either."""
-    proc.persistence_off, proc.rebooted = False, True
+    """A record of another boot (docs/internals.md): the reboot reset the GPU, set its
+    persistence mode afresh and took every MIG instance down, so no GPU command is run; only
+    the monitors' units are started and the after hooks run, with the recorded result."""
+    proc.persistence_off, proc.rebooted = False, True  # its own records stay another boot's
     if not proc.reset_started:
         result = ResetResult.REFUSED
     elif proc.result is None or _to_check(proc, step):

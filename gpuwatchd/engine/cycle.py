@@ -11,8 +11,9 @@ import collections
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field, replace
+from functools import partial
 
-from gpuwatchd.act.commands import CommandResult, PreparedHook, fill_hooks, run_hooks
+from gpuwatchd.act.commands import CommandResult, fill_hooks, run_hooks
 from gpuwatchd.act.evidence import EvidenceAction, EvidenceKeeper, Kept, Step
 from gpuwatchd.act.reset import perform_reset
 from gpuwatchd.act.reset_resume import of_another_boot, resume_interrupted, shown_record
@@ -224,13 +225,11 @@ class Engine:
 
     def _take_switches(self, inputs: PollInputs) -> None:
         """The admin switches the poll was handed (a switch left None stays as it is)."""
-        if inputs.pause is not None:
-            pause = inputs.pause
+        if (pause := inputs.pause) is not None:
             self.set_paused(pause.reason, until=pause.until, resumed=pause.resumed)
         if inputs.spares is not None:
             self.set_spares(inputs.spares, read_at=inputs.spares_read_at)
-        made = inputs.clear_latches
-        if made is not None:  # lift a forced dry-run, close the reset circuit breaker
+        if (made := inputs.clear_latches) is not None:  # lift a forced dry-run, the reset breaker
             plan = clear_circuit(clear_forced_dry_run(self.state.plan, made), made)
             kept = ["node"] if plan.forced_dry_run else []
             kept += ["circuit"] if plan.reset_failures else []  # a reset failed after it
@@ -476,14 +475,22 @@ class Engine:
         values = {key: _text(facts.get(fact)) for key, fact in _HOOK_VALUES}
         values["hostname"] = self.hostname
         prepared = fill_hooks(hooks, values)
-        if intent.dry_run:
-            self._say_dry_run_hooks(intent, prepared, kept)
+        if intent.dry_run:  # each said as it would run (placeholders filled), none run
+            for hook in prepared:
+                self.emit(
+                    EventName.HOOK_RUN,
+                    Level.WARNING,  # a would-be action: reviewed with -p warning
+                    hook=intent.hook,
+                    argv=list(hook.argv),
+                    dry_run=True,
+                    outcome=HookOutcome.DRY_RUN,
+                    reason=intent.reason,
+                    **({} if hook.error is None else {"detail": f"would not run: {hook.error}"}),
+                    **kept,
+                )
             return ()
         env = self._hook_env(intent, values)
-
-        def work() -> list[CommandResult]:
-            return run_hooks(prepared, env=env, runner=self.actuator.run_command)
-
+        work = partial(run_hooks, prepared, env=env, runner=self.actuator.run_command)
         if intent.hook != HookName.ON_ACTION:
             self._report_hooks(intent, self.slow(work), kept)
             return ()
@@ -503,26 +510,6 @@ class Engine:
             )
         self.report_background_hooks()
         return ()
-
-    def _say_dry_run_hooks(
-        self,
-        intent: HookIntent,
-        hooks: Sequence[PreparedHook],
-        kept: Mapping[str, object],
-    ) -> None:
-        """A dry run's hooks: each said as it would run (placeholders filled), none run."""
-        for hook in hooks:
-            self.emit(
-                EventName.HOOK_RUN,
-                Level.WARNING,  # a would-be action: reviewed with -p warning
-                hook=intent.hook,
-                argv=list(hook.argv),
-                dry_run=True,
-                outcome=HookOutcome.DRY_RUN,
-                reason=intent.reason,
-                **({} if hook.error is None else {"detail": f"would not run: {hook.error}"}),
-                **kept,
-            )
 
     def _hook_env(self, intent: HookIntent, values: Mapping[str, str | None]) -> dict[str, str]:
         """The ``GPUWATCHD_*`` environment of ``intent``'s hooks: its facts, and for
@@ -645,18 +632,16 @@ class Engine:
                 instance_uuid=None if instance is None else instance.mig_uuid,
             )
         )
-
-        def work() -> ResetOutcome:
-            return perform_reset(
-                target,
-                self.policy.reset,
-                self,
-                dry_run=intent.dry_run,
-                runner=self.actuator.run_command,
-                drained=intent.drained,
-                fabric_wait=self._wait_for_fabric,
-            )
-
+        work = partial(
+            perform_reset,
+            target,
+            self.policy.reset,
+            self,
+            dry_run=intent.dry_run,
+            runner=self.actuator.run_command,
+            drained=intent.drained,
+            fabric_wait=self._wait_for_fabric,
+        )
         try:
             outcome = self.slow(work)
         except Exception as err:  # a bug in the procedure must not end the daemon
@@ -704,7 +689,6 @@ class Engine:
         """Read the GPU until its NVLink fabric registration is COMPLETED (decide/health/fabric.py
         judges each reading), at most ``timeout`` seconds, a second apart."""
         deadline = self.clock.monotonic() + timeout
-        detail = "not read yet"
         while True:
             reading = self._read_gpu(target.uuid)
             verdict, detail = fabric.after_reset(None if reading is None else reading.health)

@@ -67,7 +67,6 @@ class _View:
         return f"\x1b[{code}m{text}\x1b[0m" if self.color and text else text
 
     def about(self, uuid: object) -> list[Mapping[str, object]]:
-        """The findings about the GPU or MIG instance ``uuid`` (None: none)."""
         return [f for f in self.findings if uuid is not None and f.get("gpu") == uuid]
 
     def gpu_lines(self, gpu: Mapping[str, object]) -> list[str]:
@@ -95,7 +94,6 @@ class _View:
         return lines
 
     def mig_instance_lines(self, gpu: Mapping[str, object]) -> list[str]:
-        """The text lines of ``gpu``'s MIG instances, each with its holders and findings."""
         lines: list[str] = []
         for raw in as_list(gpu.get("mig_instances")):
             if not isinstance(raw, Mapping):
@@ -113,11 +111,8 @@ class _View:
             if reason := as_text(raw.get("report_only")):
                 lines.append(f"    report-only: {escape(reason)}")
             lines.extend(f"    note: {escape(str(note))}" for note in as_list(raw.get("notes")))
-            rows = self.holder_table(raw)
-            if rows:
-                lines.extend("  " + line for line in rows)
-            else:
-                lines.append("    no process holds this instance")
+            rows = ["  " + line for line in self.holder_table(raw)]
+            lines.extend(rows or ["    no process holds this instance"])
             lines.extend("  " + line for line in self.finding_lines(self.about(raw.get("uuid"))))
         return lines
 

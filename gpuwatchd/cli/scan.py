@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from gpuwatchd import __version__
+from gpuwatchd.cli.process_kind import lock_holder
 from gpuwatchd.cli.report import build_report
 from gpuwatchd.cli.report_text import render_text
 from gpuwatchd.cli.spare import mark_spared, spares_in_force
@@ -23,7 +24,7 @@ from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.capabilities import missing_capabilities
 from gpuwatchd.collect.collector import Collector, WalkDue
 from gpuwatchd.collect.jobs import cgroup2_mount
-from gpuwatchd.collect.nvml import NvmlClient, NvmlSource
+from gpuwatchd.collect.nvml import WORKER_FILE, NvmlClient, NvmlSource
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.core.checked import decimal
 from gpuwatchd.core.escape import escape
@@ -160,9 +161,6 @@ def running_daemon(
     """The daemon (:func:`lock_holder`, run by root or this user) and its NVML workers (its
     direct children of that user running the worker file) when one runs now beside this
     command, so that its worker is no ``hidden_holder`` here either; else None."""
-    from gpuwatchd.cli.process_kind import lock_holder
-    from gpuwatchd.collect.nvml import WORKER_FILE
-
     if state_dir is None:
         return None
     daemon = lock_holder(state_dir, procfs, state_dir.owners)[0]

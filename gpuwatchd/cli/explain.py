@@ -9,6 +9,7 @@ import dataclasses
 import math
 from collections import Counter
 from collections.abc import Mapping
+from typing import Any
 
 from gpuwatchd.cli.humantime import duration, until
 from gpuwatchd.cli.report_read import SnapshotError, load_report, rebuild
@@ -64,20 +65,8 @@ def _no_rule(finding: Finding, proc: ProcessInfo | None, policy: Policy) -> list
 
 
 KILL_CAP_NEAR = 0.8  # the kill-cap line appears from this share of a cap on
-
-
-@dataclasses.dataclass(frozen=True)
-class DaemonView:
-    """What a report says about the daemon's state, when ``scan`` could read it (the report's
-    optional ``daemon`` object). None: the report does not say."""
-
-    paused: bool | None = None
-    paused_reason: str | None = None
-    forced_dry_run: bool | None = None
-    forced_reason: str | None = None
-    signalled_last_hour: int | None = None
-
-
+# What a report says about the daemon's state, when ``scan`` could read it (the report's
+# optional ``daemon`` object), each value checked. None: the report does not say.
 _DAEMON = {
     "paused": as_flag,
     "paused_reason": as_text,
@@ -88,19 +77,19 @@ _DAEMON = {
 
 
 def kill_cap_note(
-    would_signal: int, daemon: DaemonView, limits: Limits, *, node_total: int | None = None
+    would_signal: int, daemon: Mapping[str, Any], limits: Limits, *, node_total: int | None = None
 ) -> str | None:
     """The kill-cap line when a cap is reached or near; None when not, or unknown.
     ``would_signal``: the findings a rule would signal for the user with the most of them;
     ``node_total``: for everyone (default: the same). Only the node's hourly cap is judged
     (the daemon's count of the last hour is node-wide)."""
     hint = "`gpuwatchd resume --clear-latches` lifts it"
-    if daemon.forced_dry_run:
-        why = f" ({daemon.forced_reason})" if daemon.forced_reason else ""
+    if daemon["forced_dry_run"]:
+        why = f" ({daemon['forced_reason']})" if daemon["forced_reason"] else ""
         return f"kill cap: reached{why}; the daemon forced dry-run, nothing is sent; {hint}"
     total_here = would_signal if node_total is None else node_total
     per_poll, per_hour = limits.max_signalled_per_poll, limits.node_max_signalled_per_hour
-    hour = daemon.signalled_last_hour
+    hour = daemon["signalled_last_hour"]
     total = None if hour is None else hour + total_here
     if would_signal > per_poll:
         return (
@@ -129,21 +118,31 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
     """For each finding: the matching rule, the next step and when, and what would stop it."""
     snapshot, findings, first_seen = rebuild(report)
     report_only = as_map(report.get("report_only"))
-    daemon = DaemonView(**pick(report.get("daemon"), _DAEMON))  # a malformed field: unknown
+    daemon = pick(report.get("daemon"), _DAEMON)  # a malformed field: unknown
     items: list[dict[str, object]] = []
     signalled: list[tuple[list[str], Finding]] = []  # what a rule would signal, and its stops
     for finding in findings:
         since = first_seen.get(finding.key)
         proc = None if finding.pid is None else snapshot.processes.get(finding.pid)
-        item = _new_item(finding, since)
         stops: list[str] = []
+        item: dict[str, object] = {  # what it is; nothing decided before a rule is looked at
+            **fields_of(finding, ("key", "kind", "gpu", "pid", "reason")),
+            "kind": finding.kind.value,
+            "first_seen": since,
+            "rule": None,
+            "no_rule_because": [],
+            "next": None,
+            "then": [],
+            "stopped_by": stops,
+            "spared": None,
+        }
         if not finding.actionable:
             why = report_only.get(finding.gpu or "") or report_only.get("node")
             stops.append(f"report only: {why or 'the assessment marked it not actionable'}")
         case = _Case(item, stops, finding, findings, proc, snapshot, policy, since)
         if finding.kind == FindingKind.GHOST_MEMORY:
             _explain_reset(case)
-            latch = kill_cap_note(0, daemon, policy.limits) if daemon.forced_dry_run else None
+            latch = kill_cap_note(0, daemon, policy.limits) if daemon["forced_dry_run"] else None
             if latch is not None and policy.reset.enabled and not policy.dry_run:
                 stops.append(latch)  # the latch makes every intent a dry run, resets too
         elif finding.kind in HEALTH_KINDS:
@@ -156,10 +155,9 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
             )
         elif _explain_process(case):
             signalled.append((stops, finding))
-        if daemon.paused:
-            reason = f" ({daemon.paused_reason})" if daemon.paused_reason else ""
+        if daemon["paused"]:
+            reason = f" ({daemon['paused_reason']})" if daemon["paused_reason"] else ""
             stops.append(f"pause: the daemon is paused{reason}; `gpuwatchd resume` lifts it")
-        item["stopped_by"] = stops
         items.append(item)
     _note_limits(signalled, daemon, policy, snapshot)
     return {
@@ -167,21 +165,6 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
         "policy": list(policy.sources) or ["built-in defaults"],
         "dry_run": policy.dry_run,
         "findings": items,
-    }
-
-
-def _new_item(finding: Finding, since: float | None) -> dict[str, object]:
-    """A finding's explanation before any rule is looked at: what it is, nothing decided."""
-    return {
-        **fields_of(finding, ("key", "kind", "gpu", "pid", "reason")),
-        "kind": finding.kind.value,
-        "first_seen": since,
-        "rule": None,
-        "no_rule_because": [],
-        "next": None,
-        "then": [],
-        "stopped_by": [],
-        "spared": None,
     }
 
 
@@ -231,7 +214,7 @@ def _explain_process(case: _Case) -> bool:
 
 def _note_limits(
     signalled: list[tuple[list[str], Finding]],
-    daemon: DaemonView,
+    daemon: Mapping[str, Any],
     policy: Policy,
     snapshot: Snapshot,
 ) -> None:

@@ -110,7 +110,6 @@ def _add_scan_and_run(add: _Add) -> None:
 
 
 def _add_checks(add: _Add) -> None:
-    """The read-only checks: check-clean (a prolog's) and check-config."""
     clean = add(
         "check-clean",
         _check_clean,
@@ -177,13 +176,11 @@ def _add_simulate_and_explain(add: _Add) -> None:
 
 
 def _add_for(parser: argparse.ArgumentParser, limit: str) -> None:
-    """``--for DURATION`` of pause and spare: at most the policy's ``limit``."""
     help_ = f"how long (30m, 2h); at most the policy's {limit}"
     parser.add_argument("--for", dest="for_", metavar="DURATION", help=help_)
 
 
 def _add_pause(add: _Add) -> None:
-    """The maintenance switch: pause, resume."""
     pause = add("pause", _pause, "stop all actions (maintenance)")
     pause.add_argument("--reason", default="", help="why (kept in state, logged)")
     _add_for(
@@ -534,9 +531,8 @@ def _pause(args: argparse.Namespace) -> int:
     ):
         if paused:
             clock = BootTime.read(time.time(), ProcFS(policy.proc_root).boot_id())
-            ends = clock.wall + length
             set_pause(state_dir, reason=args.reason, clock=clock, seconds=length)
-            when = stamp(ends, zone=True)
+            when = stamp(clock.wall + length, zone=True)
             print(f"gpuwatchd: actions paused for {duration(length)}, until {when} ({path})")
         else:
             set_pause(state_dir, reason=None, note=args.reason, clear=args.clear_latches)

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import TextIO
 
 from gpuwatchd.cli.humantime import duration as format_duration
+from gpuwatchd.cli.process_kind import look_at_process
 from gpuwatchd.cli.scan import ScanResult, scan_host
 from gpuwatchd.core.checked import as_list, as_map
 from gpuwatchd.core.escape import escape
@@ -69,8 +70,6 @@ def active_ladders(state: Mapping[str, object]) -> int:
 def _still_running(policy: Policy, state: Mapping[str, object]) -> bool:
     """Whether the PID the state names is gpuwatchd now; unknown (no PID, unreadable) counts
     as running: only a PID known gone or reused lets the waiter go on alone."""
-    from gpuwatchd.cli.process_kind import look_at_process
-
     pid = SavedState(state).daemon_pid
     return pid is None or look_at_process(policy.proc_root, pid) in ("gpuwatchd", "unknown")
 

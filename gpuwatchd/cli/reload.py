@@ -32,8 +32,7 @@ def reload_command(policy: Policy, config_path: str) -> int:
     except OSError as exc:
         daemon, why = None, f"{exc}: not used (only root may be able to write there)"
     if daemon is None:
-        print(f"gpuwatchd: {why}", file=sys.stderr)
-        return NOT_RUNNING
+        return _said(why, NOT_RUNNING)
     pid = daemon.pid
     try:
         pidfd = os.pidfd_open(pid)
@@ -45,21 +44,19 @@ def reload_command(policy: Policy, config_path: str) -> int:
         finally:
             os.close(pidfd)
     except ProcessLookupError:
-        print(f"gpuwatchd: the daemon (pid {pid}) has just exited", file=sys.stderr)
-        return NOT_RUNNING
+        return _said(f"the daemon (pid {pid}) has just exited", NOT_RUNNING)
     except PermissionError:
-        print(
-            f"gpuwatchd: not allowed to signal the daemon (pid {pid}): run as root", file=sys.stderr
-        )
-        return ExitCode.NOPERM
+        return _said(f"not allowed to signal the daemon (pid {pid}): run as root", ExitCode.NOPERM)
     except OSError as exc:  # no pidfd (Linux < 5.3): never a bare PID's kill, the reuse race
-        print(
-            f"gpuwatchd: cannot signal the daemon (pid {pid}): {exc.strerror or exc}",
-            file=sys.stderr,
-        )
-        return ExitCode.UNAVAILABLE
+        why = f"cannot signal the daemon (pid {pid}): {exc.strerror or exc}"
+        return _said(why, ExitCode.UNAVAILABLE)
     print(
         f"gpuwatchd: {config_path} is valid; asked the daemon (pid {pid}) to reload it "
         "(`gpuwatchd status` and the log say when it has)",
     )
     return ExitCode.OK
+
+
+def _said(why: str, code: int) -> int:
+    print(f"gpuwatchd: {why}", file=sys.stderr)
+    return code

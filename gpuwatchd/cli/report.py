@@ -25,8 +25,9 @@ from gpuwatchd.decide.floor import driver_refusers
 from gpuwatchd.decide.mig.instances import MigLayout, instance_gpu, instance_view, mig_layout
 from gpuwatchd.decide.verdict import NodeVerdict
 
-# The attributes each GPU entry copies as they are, in the document's order, each with the reader
-# that takes it back (report_read.py; None: read there by hand, or not at all).
+# What a GPU entry, a process entry, its cgroup and a finding copy as they are, in the document's
+# order, each with the reader (or types) that report_read.py takes it back with; None: built here
+# from more than the one attribute, or read back by hand, or not at all.
 GPU_FIELDS: Mapping[str, Callable[[object], object] | None] = {
     "index": None,
     "uuid": None,
@@ -43,8 +44,6 @@ GPU_FIELDS: Mapping[str, Callable[[object], object] | None] = {
     "nvlink_active": as_int,
     "reset_needs_nvlink_peers": None,
 }
-# A process's facts in the document's order, each copied as it is with the reader that takes it
-# back (report_read.py); None: built here from more than the one attribute.
 PROCESS_FACTS: Mapping[str, Callable[[object], object] | None] = {
     "alive": None,
     "user": as_text,
@@ -64,8 +63,6 @@ PROCESS_FACTS: Mapping[str, Callable[[object], object] | None] = {
 }
 PROCESS_COPIED = {key: read for key, read in PROCESS_FACTS.items() if read is not None}
 _MEMORY = ("total", "used=allocated", "reserved", "free", "api", "used_v1")
-# A process's cgroup in the document (and its "job"), each field with the reader that takes it
-# back (report_read.py).
 CGROUP_FIELDS: Mapping[str, Callable[[object], object]] = {
     "path": as_text,
     "container_id": as_text,
@@ -79,8 +76,6 @@ CGROUP_FIELDS: Mapping[str, Callable[[object], object]] = {
 _CGROUP = (*CGROUP_FIELDS, "job=job_key")
 # The parts of a GPU entry a MIG instance's entry keeps (the rest is the parent's to say).
 _KEPT = ("memory", "report_only", "notes", "processes_known", "processes", "holders")
-# A finding's fields in the document's order, each with the types report_read takes it back as
-# (None: read there by hand, or not at all).
 FINDING_FIELDS: Mapping[str, tuple[type, ...] | None] = {
     "kind": None,
     "gpu": (str, type(None)),
@@ -175,7 +170,6 @@ class _Entries:
         started = None
         if info.start_ticks is not None and self.boot_time is not None and self.clock_ticks:
             started = self.boot_time + info.start_ticks / self.clock_ticks
-        cgroup = info.cgroup
         return {
             **facts,
             **fields_of(info, tuple(PROCESS_COPIED)),
@@ -183,11 +177,10 @@ class _Entries:
             "started": started,
             "cmdline": None if info.cmdline is None else list(info.cmdline),
             "nspid": None if info.nspid is None else list(info.nspid),
-            "cgroup": None if cgroup is None else fields_of(cgroup, _CGROUP),
+            "cgroup": None if info.cgroup is None else fields_of(info.cgroup, _CGROUP),
         }
 
     def gpus(self, layout: MigLayout, verdict: NodeVerdict | None) -> list[dict[str, object]]:
-        """Each GPU's entry in index order, with its MIG instances and its verdict (when judged)."""
         view = instance_view(self.snapshot, layout)
         judged = {} if verdict is None else {g.uuid: g for g in verdict.gpus}
         gpus = []
@@ -263,7 +256,6 @@ class _Entries:
     def listed(
         self, gpu: GpuInfo, process: NvmlProcess, holding: DeviceHolding | None
     ) -> dict[str, object]:
-        """A GPU entry's ``processes`` entry: what NVML listed, with its role and facts."""
         role = self.roles.get((gpu.uuid, process.pid))
         return {
             "pid": process.pid,

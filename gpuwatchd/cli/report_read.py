@@ -219,7 +219,6 @@ def _gpu(raw: Mapping[str, object], where: str) -> GpuInfo:
 
 
 def _list_field(container: Mapping[str, object], key: str, where: str) -> list[object]:
-    """``container[key]`` if it is a list, ``[]`` if absent or null; else SnapshotError."""
     value = container.get(key)
     if value is None:
         return []
@@ -297,7 +296,6 @@ def _read_gpus(
 def _add_holding(
     holdings: dict[int, DeviceHolding], pid: int, entry: Mapping[str, object], minor: int
 ) -> None:
-    """A GPU holder's entry (its ``via``, ``ctl`` and ``uvm``) added to what ``pid`` holds."""
     via = as_list(entry.get("via"))
     old = holdings.get(pid, DeviceHolding(pid))
     holdings[pid] = DeviceHolding(

@@ -27,6 +27,12 @@ _ALARM_ROLES = frozenset({"orphaned", "stuck"})
 _OWNED_ROLES = {"worker": "worker of", "orphaned": "orphaned from"}  # and the owner's PID
 
 _BOLD, _RED, _YELLOW, _DIM = "1", "31", "33", "2"
+# Ghost memory means no holder *that /proc shows*: what no walk can see.
+_UNSEEN = (
+    "  nobody that /proc shows holds it: a file descriptor in flight in a unix-socket",
+    "    message (SCM_RIGHTS) or a holder in another PID namespace is invisible to any walk;",
+    "    the driver would refuse the reset then (docs/scan.md, what a walk cannot see)",
+)
 
 
 def render_text(report: Mapping[str, object], *, color: bool = False) -> str:
@@ -67,7 +73,6 @@ class _View:
         return f"\x1b[{code}m{text}\x1b[0m" if self.color and text else text
 
     def about(self, uuid: object) -> list[Mapping[str, object]]:
-        """The findings about the GPU or MIG instance ``uuid`` (None: none)."""
         return [f for f in self.findings if uuid is not None and f.get("gpu") == uuid]
 
     def gpu_lines(self, gpu: Mapping[str, object]) -> list[str]:
@@ -81,9 +86,11 @@ class _View:
         flags = _gpu_flags(gpu)
         if flags:
             lines.append("  " + self.paint("; ".join(flags), _YELLOW))
-        # MIG instances judged one by one: the GPU's rows are theirs
+        # MIG instances judged one by one: the GPU's own rows are only the holders it explains
+        # itself (parent-only); NVML's aggregate list and the instances' holders are theirs.
         judged_mig = any(as_map(i).get("judged") is True for i in as_list(gpu.get("mig_instances")))
-        table = self.holder_table(_parent_rows(gpu) if judged_mig else gpu)
+        kept = [h for h in as_list(gpu.get("holders")) if as_map(h).get("role") is not None]
+        table = self.holder_table({**gpu, "processes": [], "holders": kept} if judged_mig else gpu)
         lines.extend(table)
         if judged_mig:
             lines.append("  processes and holders: by MIG instance, below")
@@ -95,7 +102,6 @@ class _View:
         return lines
 
     def mig_instance_lines(self, gpu: Mapping[str, object]) -> list[str]:
-        """The text lines of ``gpu``'s MIG instances, each with its holders and findings."""
         lines: list[str] = []
         for raw in as_list(gpu.get("mig_instances")):
             if not isinstance(raw, Mapping):
@@ -113,11 +119,8 @@ class _View:
             if reason := as_text(raw.get("report_only")):
                 lines.append(f"    report-only: {escape(reason)}")
             lines.extend(f"    note: {escape(str(note))}" for note in as_list(raw.get("notes")))
-            rows = self.holder_table(raw)
-            if rows:
-                lines.extend("  " + line for line in rows)
-            else:
-                lines.append("    no process holds this instance")
+            rows = ["  " + line for line in self.holder_table(raw)]
+            lines.extend(rows or ["    no process holds this instance"])
             lines.extend("  " + line for line in self.finding_lines(self.about(raw.get("uuid"))))
         return lines
 
@@ -202,7 +205,8 @@ class _View:
             lines.append("    " + (self.paint(line, _RED) if actionable else line))
         lines.extend(f"    {line}" for line in spared_lines(findings, self.now))  # gpuwatchd spare
         lines.extend(self.likely_heir_advice(findings))
-        lines.extend(_unseen_note(findings))
+        if any(as_text(f.get("kind")) == "ghost_memory" for f in findings):
+            lines.extend(_UNSEEN)
         return lines
 
     def likely_heir_advice(self, findings: Sequence[Mapping[str, object]]) -> list[str]:
@@ -246,13 +250,6 @@ def _title_line(report: Mapping[str, object]) -> str:
     if view.get("answered_by") == "daemon":
         parts.append("answered by the daemon")
     return "  ".join(parts)
-
-
-def _parent_rows(gpu: Mapping[str, object]) -> dict[str, object]:
-    """A judged MIG GPU's own rows: only holders it explains itself (parent-only holders);
-    NVML's aggregate list and the instances' holders are shown under the instances."""
-    kept = [h for h in as_list(gpu.get("holders")) if as_map(h).get("role") is not None]
-    return {**gpu, "processes": [], "holders": kept}
 
 
 def _memory_line(gpu: Mapping[str, object], *, full: bool = False) -> str:
@@ -408,17 +405,6 @@ def _command(entry: Mapping[str, object]) -> str:
     if comm:
         return escape(f"[{comm}]")
     return "-" if entry.get("alive") is False else "?"
-
-
-def _unseen_note(findings: Sequence[Mapping[str, object]]) -> list[str]:
-    """Ghost memory means no holder *that /proc shows*: say what no walk can see."""
-    if not any(as_text(f.get("kind")) == "ghost_memory" for f in findings):
-        return []
-    return [
-        "  nobody that /proc shows holds it: a file descriptor in flight in a unix-socket",
-        "    message (SCM_RIGHTS) or a holder in another PID namespace is invisible to any walk;",
-        "    the driver would refuse the reset then (docs/scan.md, what a walk cannot see)",
-    ]
 
 
 def _node_notes(report: Mapping[str, object], gpu_uuids: set[str]) -> list[str]:

@@ -13,9 +13,8 @@ from collections.abc import Callable
 
 import structlog
 
-from gpuwatchd.cli import served
 from gpuwatchd.cli.once import wait_for_daemon
-from gpuwatchd.cli.scan import snapshot_report
+from gpuwatchd.cli.scan import answer_served, snapshot_report
 from gpuwatchd.collect.capabilities import ACT_CAPABILITIES, missing_capabilities
 from gpuwatchd.core.vocabulary import EventName, ExitCode
 from gpuwatchd.daemon.lifecycle import Daemon
@@ -59,7 +58,7 @@ def run_daemon(
         evidence_report=functools.partial(snapshot_report, proc_root=policy.proc_root),
     )
     daemon = daemon_for(
-        once_timeout=once_timeout, rejected_at_start=rejected_at_start, scan_answer=served.answer
+        once_timeout=once_timeout, rejected_at_start=rejected_at_start, scan_answer=answer_served
     )
     try:
         try:

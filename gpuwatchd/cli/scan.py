@@ -1,5 +1,9 @@
 """The read-only ``gpuwatchd scan``: one collection, assessed and reported, never an action nor a
-state write; the daemon's state file, when readable, gives baselines and first-seen times."""
+state write; the daemon's state file, when readable, gives baselines and first-seen times. And
+the daemon's answer to a ``scan`` that asked it (docs/scan.md, "Answered by the daemon").
+
+In detail: docs/internals.md, section `gpuwatchd.cli.scan`.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +13,10 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from gpuwatchd import __version__
+from gpuwatchd.cli.process_kind import lock_holder
 from gpuwatchd.cli.report import build_report
 from gpuwatchd.cli.report_text import render_text
 from gpuwatchd.cli.spare import mark_spared, spares_in_force
@@ -19,7 +24,7 @@ from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.capabilities import missing_capabilities
 from gpuwatchd.collect.collector import Collector, WalkDue
 from gpuwatchd.collect.jobs import cgroup2_mount
-from gpuwatchd.collect.nvml import NvmlClient, NvmlSource
+from gpuwatchd.collect.nvml import WORKER_FILE, NvmlClient, NvmlSource
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.core.checked import decimal
 from gpuwatchd.core.escape import escape
@@ -47,6 +52,9 @@ from gpuwatchd.state.saved import (
     signalled_last_hour,
 )
 
+if TYPE_CHECKING:
+    from gpuwatchd.served.scan_socket import ScanAnswer, ScanRequest
+
 
 @dataclass(frozen=True)
 class ScanResult:
@@ -73,7 +81,7 @@ class ScanOutput(NamedTuple):
 
 def scan_output(result: ScanResult, *, as_json: bool, color: bool) -> ScanOutput:
     """The one rendering of a scan's outcome, for the command and for the daemon answering it
-    (:mod:`gpuwatchd.cli.served`): the report as JSON or text, and the exit code of
+    (:func:`answer_served`): the report as JSON or text, and the exit code of
     docs/scan.md with its one line on stderr."""
     if result.report is None or (result.error is not None and not as_json):
         error = result.error or "NVIDIA driver/NVML not available"
@@ -94,6 +102,32 @@ def scan_output(result: ScanResult, *, as_json: bool, color: bool) -> ScanOutput
         # The report shows such a GPU unknown: check-clean cannot tell either (75).
         return ScanOutput(text, (escape(f"gpuwatchd: {cannot_tell(unread)}"),), ExitCode.TEMPFAIL)
     return ScanOutput(text, (), ExitCode.OK)
+
+
+def answer_served(
+    request: ScanRequest, config_path: str, state_dir: str, served: ServedPoll | None
+) -> ScanAnswer:
+    """The daemon's answer to ``request``: the report of a scan built on its last poll
+    (``served``; None: none to serve from), with the policy the command would have used, or a
+    refusal saying why (the command then walks by itself). ``config_path``: the main file the
+    daemon was started with; ``state_dir``: the one it runs in."""
+    from gpuwatchd.served.scan_socket import ScanAnswer
+    from gpuwatchd.state.compiled_policy import load_compiled
+
+    if request.config != os.path.abspath(config_path):
+        return ScanAnswer(False, "the daemon runs with another configuration file")
+    policy = load_compiled(request.config, state_dir)
+    if policy is None:
+        return ScanAnswer(False, "the configuration files changed since the daemon accepted them")
+    if policy.state_dir != state_dir:
+        return ScanAnswer(False, "the configuration names another state_dir")
+    if served is None:
+        return ScanAnswer(False, "the daemon has no holder view (its device watch is not working)")
+    result = scan_host(policy, served=served)
+    if result.declined is not None:
+        return ScanAnswer(False, result.declined)
+    output = scan_output(result, as_json=request.as_json, color=request.color)
+    return ScanAnswer(True, "answered", output.exit_code, output.stdout, output.stderr)
 
 
 def read_boot_time(proc_root: str) -> float | None:
@@ -127,9 +161,6 @@ def running_daemon(
     """The daemon (:func:`lock_holder`, run by root or this user) and its NVML workers (its
     direct children of that user running the worker file) when one runs now beside this
     command, so that its worker is no ``hidden_holder`` here either; else None."""
-    from gpuwatchd.cli.process_kind import lock_holder
-    from gpuwatchd.collect.nvml import WORKER_FILE
-
     if state_dir is None:
         return None
     daemon = lock_holder(state_dir, procfs, state_dir.owners)[0]
@@ -154,7 +185,7 @@ def scan_host(
     """One collection, assessed and reported. ``nvml``: a client the caller started ahead and
     closes itself (else one is made here). Alone (``served`` None) it walks all of ``/proc``;
     ``why`` says why the daemon's view was not used. ``served``: the daemon's last poll, when
-    the daemon answers (:mod:`gpuwatchd.cli.served`): built on when current (:func:`_current`)
+    the daemon answers (:func:`answer_served`): built on when current (:func:`_current`)
     and the full-scan rule asks for no walk, else no report and ``declined`` says why.
     StateDirError when the state directory exists but cannot be trusted (a link on its path,
     another owner, writable by others): the caller refuses (exit 78); one this user may not
@@ -333,7 +364,10 @@ def _judged_report(
                 raise ValueError(plan)
             unfinished = unfinished_recoveries(plan)
             unread = unread or lost_state(plan)  # latched on a state it moved aside
-            first_seen = _first_seen_wall(plan, snapshot.monotonic, snapshot.wall_time)
+            first_seen = {  # the plan's monotonic first-seen times, as wall times
+                key: snapshot.wall_time - max(0.0, snapshot.monotonic - seen.first_seen)
+                for key, seen in plan.seen.items()
+            }
         except ValueError as exc:
             path = os.path.join(policy.state_dir, STATE_FILE)
             # The reader may name a saved key or entry, as large as the file: cut.
@@ -351,7 +385,6 @@ def _judged_report(
 def _nvml_reading_section(
     published: nvml_view.Published | None, client: NvmlClient, now_wall: float
 ) -> dict[str, object]:
-    """The report's ``nvml_reading``: whose NVML reading it shows, and how old it is."""
     read_at = client.last_asked_wall if published is None else published.read_at
     return {
         "source": "own" if published is None else "daemon",
@@ -453,10 +486,3 @@ def snapshot_report(
     )
     mark_spared(report, snapshot, snapshot.spares if spares is None else spares)
     return report
-
-
-def _first_seen_wall(plan: PlanState, now_monotonic: float, now_wall: float) -> dict[str, float]:
-    """First-seen times from the daemon's plan state, converted from monotonic to wall time."""
-    return {
-        key: now_wall - max(0.0, now_monotonic - seen.first_seen) for key, seen in plan.seen.items()
-    }

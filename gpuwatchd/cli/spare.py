@@ -242,7 +242,6 @@ def spares_from_report(report: Mapping[str, object]) -> tuple[Spare, ...]:
 
 
 def _spared(snapshot: Snapshot, process: ProcessInfo | None) -> dict[str, object] | None:
-    """The ``spared`` entry of ``process``: the spare covering it now; None when none does."""
     if process is None:
         return None
     found = spare_covering(process, snapshot)

@@ -158,7 +158,6 @@ def _signs_of_life(
 def _health(
     read_error: str | None, running: bool | None, attention: list[str]
 ) -> tuple[StatusCode, str]:
-    """The exit code and the one-word health: unknown, not-running, attention or ok."""
     if read_error is not None:
         return StatusCode.UNKNOWN, "unknown"
     if not running:
@@ -361,7 +360,6 @@ def read_evidence(state_dir: str) -> list[dict[str, object]] | None:
 
 
 def status_command(policy: Policy, *, as_json: bool) -> int:
-    """Read, describe, print; the exit code of :class:`StatusCode`."""
     saved = read_saved_state(policy.state_dir)  # the problem: why it cannot be read (exit 4)
     pid = saved.daemon_pid
     result = describe(

@@ -243,7 +243,6 @@ def _evidence_lines(raw: object) -> list[str]:
 
 
 def render_text(result: Mapping[str, object]) -> str:
-    """The text report of a :func:`describe` document."""
     now = as_number(result.get("now")) or 0.0
     lines = [_header(now, result)]
     if result.get("state") == "present":

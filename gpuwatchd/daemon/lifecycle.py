@@ -77,7 +77,7 @@ log = structlog.get_logger("gpuwatchd")
 
 T = TypeVar("T")
 # What answers a `scan` that asked: (request, the daemon's main file, its state_dir, its last
-# poll); it is the command line's (cli/served.py), handed in by cli/run.py.
+# poll); it is the command line's (cli/scan.py: answer_served), handed in by cli/run.py.
 ScanAnswerer = Callable[[ScanRequest, str, str, ServedPoll | None], ScanAnswer]
 RECENT_ACTIONS = 20  # actions remembered for `gpuwatchd status`
 NOTIFY_STOP_GRACE = 20.0  # seconds queued on_action hooks get when the daemon stops

@@ -699,14 +699,14 @@ class Daemon:
         lost = self.store.discarded
         if data:
             boot_id = self.procfs.boot_id()
-            rebooted = data.get("boot_id") != boot_id  # unknown: another boot's, as said
+            rebooted = data.get("boot_id") != boot_id  # one unknown: another boot's, as said
             try:
                 STATE.check(data)  # the version this code writes
                 raw = data.get("reset_in_progress")
                 record = None if raw is None else dict(obj(raw, "reset_in_progress"))
-                if record is not None and rebooted:
-                    # Marked before the next save writes this boot's id: a crash before the
-                    # resume must not make it a record of this boot (act/reset_resume.py).
+                if record is not None and (rebooted or boot_id is None):
+                    # Marked before the next save writes this boot's id (a crash before the
+                    # resume must not make it this boot's); both ids unknown prove no same boot.
                     record["rebooted"] = True
                 assess = AssessState.from_json(data.get("assess"))
                 if rebooted and assess.boot_id is None:

@@ -694,14 +694,18 @@ class _RebootedReader(Reader):
         return (instance_gpu(_RECOVERY, present=False),)
 
 
-@pytest.mark.parametrize("boot", ["another", "this"])
+@pytest.mark.parametrize("boot", ["another", "this", "unknown"])
 def test_a_half_done_mig_recovery_of_another_boot_is_not_finished_after_the_reboot(
-    tmp_path: Path, boot: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, boot: str
 ) -> None:
     """A reboot takes every MIG instance down: the record the last boot left (its instance
     destroyed, the daemon killed before ``-cgi``) never re-creates it; only the same boot's
     record does. The reset in flight is cleared, nothing booked. So too when the start that
-    read it saved the state as this boot's, then died before the resume."""
+    read it saved the state as this boot's, then died before the resume, and when neither
+    boot id is known (a reboot may have given the GPU to a new job: nothing proves the same
+    boot, and the resume checks no holder before it runs a command)."""
+    if boot == "unknown":
+        monkeypatch.setattr(ProcFS, "boot_id", lambda self: None)
     dci = (_SMI, "mig", "-i", _UUID, "-gi", "1", "-ci", "0", "-dci")
     dgi = (_SMI, "mig", "-i", _UUID, "-gi", "1", "-dgi")
     commands = Commands(
@@ -718,8 +722,8 @@ def test_a_half_done_mig_recovery_of_another_boot_is_not_finished_after_the_rebo
     state_dir.mkdir(mode=0o700)
     policy = dataclasses.replace(default_policy(), state_dir=str(state_dir), dry_run=False)
     daemon = Daemon(policy, config_path=str(tmp_path / "none.yaml"))
-    saved_boot = daemon.procfs.boot_id() if boot == "this" else "00000000-0000-0000-0000-0"
-    assert saved_boot is not None
+    saved_boot = "00000000-0000-0000-0000-0" if boot == "another" else daemon.procfs.boot_id()
+    assert (saved_boot is None) == (boot == "unknown")
     state = {
         "boot_id": saved_boot,
         "assess": AssessState().to_json(),
@@ -739,7 +743,7 @@ def test_a_half_done_mig_recovery_of_another_boot_is_not_finished_after_the_rebo
     ran = [argv for argv, _ in actuator.commands]
     assert (_CGI in ran) == (boot == "this")
     assert daemon.engine.state.plan.reset_in_flight is None
-    if boot == "another":
+    if boot != "this":
         assert ran == []
         assert not [e for e in logs if e["event"] == EventName.RESET_OUTCOME]
         (cleared,) = [e for e in logs if e["event"] == EventName.RESET_IN_FLIGHT_CLEARED]

@@ -42,15 +42,8 @@ from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.floor import reset_blockers
 from gpuwatchd.decide.health.state import GpuHealthState, HealthState, XidRecord
 from gpuwatchd.decide.mig.recovery import InstanceRecovery
-from gpuwatchd.decide.plan.state import (
-    Ladder,
-    Latch,
-    MigUnfinished,
-    PlanState,
-    ResetInFlight,
-    ResetRefusal,
-    SeenFinding,
-)
+from gpuwatchd.decide.plan import state as plan_state
+from gpuwatchd.decide.plan.state import Ladder, Latch, PlanState, ResetInFlight, SeenFinding
 from gpuwatchd.decide.verdict import UNREADABLE
 from gpuwatchd.engine.edges import Pause, PollReport
 from gpuwatchd.events.catalogue import render
@@ -991,7 +984,9 @@ def _old_plan(boot: str | None) -> PlanState:
         reset_in_flight=ResetInFlight(_UUID, "ghost_memory:x", False, 5000.0, 0.0),
         signal_history=(("1@2", 5000.0),),
         scope_latches={"uid:1000": Latch("cap", 1.0e9, 5000.0)},
-        mig_unfinished={_RECOVERY.mig_uuid: MigUnfinished(_UUID, 1, 19, 6, 1, 5000.0, "failed")},
+        mig_unfinished={
+            _RECOVERY.mig_uuid: plan_state.MigUnfinished(_UUID, 1, 19, 6, 1, 5000.0, "failed")
+        },
     )
 
 
@@ -1047,7 +1042,7 @@ def test_a_start_that_cannot_read_the_boot_id_takes_the_plans_monotonic_times_fo
         _old_plan(boot),
         last_wall=1.0e9,
         last_monotonic=5000.0,
-        reset_refusals={_UUID: ResetRefusal("ghost_memory:x", "refused", True, 1.0e9)},
+        reset_refusals={_UUID: plan_state.ResetRefusal("ghost_memory:x", "refused", True, 1.0e9)},
         health_drained={_UUID: False},
     )
     flight = plan.reset_in_flight

@@ -268,8 +268,8 @@ def page(
     w: Work, reason: str, facts: Mapping[str, object], said: Mapping[str, object], *, dry_run: bool
 ) -> None:
     """The ``on_failure`` hooks about ``reason``; none while paused (a pause holds every hook:
-    a page or a node drain waits for the maintenance to end), said by ``action.refused`` with
-    ``said``, the fields of its subject."""
+    a page or a node drain waits for the maintenance to end), said by
+    ``EventName.ACTION_REFUSED`` with ``said``, the fields of its subject."""
     held = pause_hold(w)
     if held is not None:
         why = f"{held}; on_failure not run: {reason}"

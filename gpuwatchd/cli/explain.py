@@ -25,7 +25,7 @@ from gpuwatchd.core.model import (
     fields_of,
 )
 from gpuwatchd.decide import kinds
-from gpuwatchd.decide.health.judge import HEALTH_KINDS, drain_blockers
+from gpuwatchd.decide.health.judge import drain_blockers
 from gpuwatchd.decide.plan.intents import kill_cap_scope
 from gpuwatchd.decide.plan.resets import instance_recovery, reset_gates
 from gpuwatchd.decide.policy import Limits, Policy
@@ -145,7 +145,7 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
             latch = kill_cap_note(0, daemon, policy.limits) if daemon["forced_dry_run"] else None
             if latch is not None and policy.reset.enabled and not policy.dry_run:
                 stops.append(latch)  # the latch makes every intent a dry run, resets too
-        elif finding.kind in HEALTH_KINDS:
+        elif finding.kind in kinds.HEALTH:
             _explain_health(case)
         elif finding.kind in kinds.LISTING:
             stops.append(

@@ -32,17 +32,6 @@ class KindProperties:
     health: bool = False  # GPU health (decide/health/judge.py); never a reason to signal a job
     why_not_signallable: str | None = None  # None: a rule may send signals for it
 
-    @property
-    def signallable(self) -> bool:
-        return self.why_not_signallable is None
-
-    @property
-    def anchor(self) -> str:
-        """Its section in docs/findings.md (the health kinds share "GPU health")."""
-        if self.health:
-            return "gpu-health"
-        return f"{self.kind.value}-gpu-level" if self.scope is Scope.GPU else self.kind.value
-
 
 _K = FindingKind
 
@@ -158,4 +147,3 @@ MEMORY = _where("memory")
 LISTING = _where("listing")
 SETTLING = _where("settling")
 HEALTH = _where("health")
-SIGNALLABLE = _where("signallable")

@@ -16,6 +16,14 @@ from gpuwatchd.decide.health import judge as health
 from gpuwatchd.decide.plan import resets as plan_resets
 
 FINDINGS_DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "findings.md"
+SIGNALLABLE = {k for k, row in kinds.KINDS.items() if row.why_not_signallable is None}
+
+
+def _anchor(row: kinds.KindProperties) -> str:
+    """A kind's section in docs/findings.md (the health kinds share "GPU health")."""
+    if row.health:
+        return "gpu-health"
+    return f"{row.kind.value}-gpu-level" if row.scope is kinds.Scope.GPU else row.kind.value
 
 
 def _anchors(markdown: str) -> set[str]:
@@ -43,7 +51,7 @@ def test_docs_findings_has_a_section_for_every_kind() -> None:
     text = FINDINGS_DOC.read_text()
     anchors = _anchors(text)
     for kind, row in kinds.KINDS.items():
-        assert row.anchor in anchors, f"docs/findings.md has no section #{row.anchor} ({kind})"
+        assert _anchor(row) in anchors, f"docs/findings.md has no section #{_anchor(row)} ({kind})"
         assert f"`{kind.value}`" in text
 
 
@@ -53,14 +61,13 @@ def test_the_properties_are_consistent() -> None:
             assert row.scope is kinds.Scope.PROCESS
         if row.memory or row.health:
             assert row.scope is kinds.Scope.GPU
-            assert not row.signallable
+            assert row.why_not_signallable is not None
     # A rule may signal for orphaned and abandoned processes, and for nothing else.
-    assert {FindingKind.ORPHANED, FindingKind.ABANDONED} == kinds.SIGNALLABLE
+    assert {FindingKind.ORPHANED, FindingKind.ABANDONED} == SIGNALLABLE
 
 
 def test_the_modules_ask_the_table() -> None:
     """verdict, health and plan's reset gates hold the table's sets, not their own."""
-    assert health.HEALTH_KINDS == kinds.HEALTH
     assert {k.value for k in kinds.SETTLING} <= verdict.SETTLING
     tables = [value for value in vars(kinds).values() if isinstance(value, frozenset)]
     for module in (verdict, plan_resets, health):
@@ -74,7 +81,7 @@ def test_the_modules_ask_the_table() -> None:
         assert all(any(value is table for table in tables) for value in held), module.__name__
 
 
-@pytest.mark.parametrize("kind", sorted(set(FindingKind) - kinds.SIGNALLABLE))
+@pytest.mark.parametrize("kind", sorted(set(FindingKind) - SIGNALLABLE))
 def test_a_rule_that_signals_a_kind_that_cannot_be_signalled_is_refused_with_the_tables_reason(
     kind: FindingKind,
 ) -> None:

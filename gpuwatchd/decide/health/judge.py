@@ -18,7 +18,6 @@ from gpuwatchd.core.model import (
     Snapshot,
     Support,
 )
-from gpuwatchd.decide import kinds
 from gpuwatchd.decide.gpu_ids import DeviceKey, pci_device
 from gpuwatchd.decide.health import fabric
 from gpuwatchd.decide.health.state import (
@@ -33,7 +32,6 @@ from gpuwatchd.decide.health.xid_catalogue import XID_CATALOGUE, Bucket, XidActi
 from gpuwatchd.decide.health.xid_sources import Occurrence, XidNotice, merge_sources, notices
 from gpuwatchd.decide.policy import HealthPolicy
 
-HEALTH_KINDS = kinds.HEALTH
 # Xids this close together (seconds, by when the worker read them) co-occur: the catalogue's
 # "solo" rules are judged over it.
 XID_WINDOW = 60.0

@@ -16,7 +16,7 @@ from dataclasses import replace
 from gpuwatchd.core.checked import decimal
 from gpuwatchd.core.model import Finding, FindingKind, Snapshot
 from gpuwatchd.core.vocabulary import EventName, LadderStatus, Level
-from gpuwatchd.decide.health.judge import HEALTH_KINDS
+from gpuwatchd.decide.kinds import HEALTH as HEALTH_KINDS
 from gpuwatchd.decide.plan.health import consider_health
 from gpuwatchd.decide.plan.intents import (
     Ctx,

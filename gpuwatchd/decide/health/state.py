@@ -5,7 +5,7 @@ to them belong to ``judge.py``; no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, astuple, dataclass, field, replace
 
 from gpuwatchd.core.checked import number, obj, opt_number
@@ -122,12 +122,11 @@ class HealthState:
             if not isinstance(uuid, str) or not isinstance(entry, dict):
                 raise ValueError(f"{what}: expected an object")
             xids: dict[int, XidRecord] = {}
-            for key, triple in _bounded_map(entry.get("xids", {}), f"{what}.xids").items():
-                xid = _xid_key(key, f"{what}.xids.{key}")
+            for xid, triple, where in _by_xid(entry, what, "xids"):
                 values = triple if isinstance(triple, list) and len(triple) == 3 else None
                 count = as_int(values[0]) if values else None
                 if values is None or count is None or not 0 <= count <= MAX_COUNT:
-                    raise ValueError(f"{what}.xids.{key}: expected [count, first, last]")
+                    raise ValueError(f"{where}: expected [count, first, last]")
                 xids[xid] = XidRecord(count, number(values[1], what), number(values[2], what))
             since = obj(entry.get("since", {}), f"{what}.since")
             cured = _signatures(entry.get("assumed_cured", []), f"{what}.assumed_cured")
@@ -154,16 +153,16 @@ def _signatures(value: object, what: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _xid_key(key: object, what: str) -> int:
-    if not isinstance(key, str) or not key.isdecimal() or len(key) > 5:
-        raise ValueError(f"{what}: expected Xid numbers as keys")
-    return int(key)
-
-
-def _bounded_map(value: object, what: str) -> dict[object, object]:
-    if not isinstance(value, dict) or len(value) > MAX_XID_KINDS:
-        raise ValueError(f"{what}: expected an object of at most {MAX_XID_KINDS}")
-    return value
+def _by_xid(entry: Mapping[str, object], what: str, name: str) -> Iterator[tuple[int, object, str]]:
+    """The Xid-keyed object ``entry[name]``: each Xid, its value, and where it is (for errors)."""
+    found = entry.get(name, {})
+    if not isinstance(found, dict) or len(found) > MAX_XID_KINDS:
+        raise ValueError(f"{what}.{name}: expected an object of at most {MAX_XID_KINDS}")
+    for key, value in found.items():
+        where = f"{what}.{name}.{key}"
+        if not isinstance(key, str) or not key.isdecimal() or len(key) > 5:
+            raise ValueError(f"{where}: expected Xid numbers as keys")
+        yield int(key), value, where
 
 
 def _opt_str(value: object, what: str, limit: int = 200) -> str | None:
@@ -191,9 +190,7 @@ def _kernel_log_state(entry: Mapping[str, object], what: str) -> GpuHealthState:
             raise ValueError(f"{what}.sightings: expected [xid, wall, source]")
         sightings.append(Sighting(int(item[0]), number(item[1], what), str(item[2])))
     details: dict[int, XidDetail] = {}
-    for key, raw in _bounded_map(entry.get("details", {}), f"{what}.details").items():
-        where = f"{what}.details.{key}"
-        xid = _xid_key(key, where)
+    for xid, raw, where in _by_xid(entry, what, "details"):
         if not isinstance(raw, dict):
             raise ValueError(f"{where}: expected an object")
         pid = raw.get("pid")
@@ -209,9 +206,7 @@ def _kernel_log_state(entry: Mapping[str, object], what: str) -> GpuHealthState:
             wall=number(raw.get("wall"), where),
         )
     logs: dict[int, XidLog] = {}
-    for key, raw in _bounded_map(entry.get("xid_log", {}), f"{what}.xid_log").items():
-        where = f"{what}.xid_log.{key}"
-        xid = _xid_key(key, where)
+    for xid, raw, where in _by_xid(entry, what, "xid_log"):
         held = as_int(raw[1]) if isinstance(raw, list) and len(raw) == 4 else None
         if not isinstance(raw, list) or held is None or not 0 <= held <= MAX_COUNT:
             raise ValueError(f"{where}: expected [logged_at, held, first, last]")

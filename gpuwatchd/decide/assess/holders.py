@@ -180,8 +180,7 @@ class HolderPass(AssessorState):
         return None
 
     def tied_to_dead_owner(self, proc: ProcessInfo, held: list[GpuInfo]) -> Outcome | None:
-        """Orphaned through a recorded tie to a dead owner or its unaccounted memory, or a
-        holder of only its own files; None when nothing ties it."""
+        """Orphaned through a tie to a dead owner or its memory (or holding only its own files)."""
         for gpu in held:
             tie = self.dead_owner_tie(proc, gpu) or self.unaccounted_without_owner(gpu, proc)
             if tie is None:
@@ -299,8 +298,7 @@ class HolderPass(AssessorState):
         return evidence
 
     def hidden(self, note: str, *, undecided: bool = False) -> Outcome:
-        """A hidden holder; ``undecided``: the orphan rule could not be decided for it, so the
-        clean verdict (decide/verdict.py) counts it unknown."""
+        """A hidden holder; ``undecided``: the orphan rule was not decided (docs/internals.md)."""
         evidence: dict[str, object] = {"undecided": True} if undecided else {}
         return Outcome("hidden", note, kind=FindingKind.HIDDEN_HOLDER, evidence=evidence)
 

@@ -52,8 +52,6 @@ def assess(
     """
     passes = processes or assess_processes
     result = passes(snapshot, previous, detection, driver_refused or {})
-    # A boot id that could not be read is no new boot: the health history is kept, and so is
-    # the last id read (the process side still drops what it keeps, shared.py).
     boot_id = previous.boot_id if snapshot.boot_id is None else snapshot.boot_id
     boot_changed = previous.boot_id not in (None, boot_id)
     health = assess_health(

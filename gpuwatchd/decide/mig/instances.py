@@ -159,9 +159,7 @@ def mig_layout(snapshot: Snapshot) -> MigLayout:
         for cap, route in _capabilities(holding, table):
             # A minor the table does not name, or an instance NVML does not list: nothing.
             named = None if cap is None else by_place.get((cap.gpu_minor, cap.gi))
-            if named is None or (
-                cap is not None and cap.ci is not None and cap.ci not in named.cis
-            ):
+            if cap is None or named is None or (cap.ci is not None and cap.ci not in named.cis):
                 continue
             routes = mine.get(named.uuid, ())
             if route not in routes:

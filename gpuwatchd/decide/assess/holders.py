@@ -231,21 +231,20 @@ class HolderPass(AssessorState):
                 "first_seen": recorded.first_seen,
             }
             memory = f"{mib(as_int(tie['allocated']))} allocated on GPU {gpu.index}"
+            why = (
+                f"likely heir of the {memory} that no live context owner accounts for: its {link} "
+                f"leader PID {leader} is gone"
+            )
             if self.detection.orphans_without_history:
-                why = (
-                    f"likely heir of the {memory} that no live context owner accounts for: its "
-                    f"{link} leader PID {leader} is gone and it owns no context anywhere "
-                    "(detection.orphans_without_history)"
-                )
+                why += " and it owns no context anywhere (detection.orphans_without_history)"
                 return Outcome(
                     "orphaned", why, kind=FindingKind.ORPHANED, gpu=gpu, evidence=evidence
                 )
             del evidence["tie"]
             evidence["likely_heir"] = True
-            why = (
-                f"likely heir of the {memory} that no live context owner accounts for: its {link} "
-                f"leader PID {leader} is gone, but gpuwatchd never saw that owner alive (a leak "
-                f"from before it watched); check it and kill PID {proc.pid} by hand, or set "
+            why += (
+                ", but gpuwatchd never saw that owner alive (a leak from before it watched); "
+                f"check it and kill PID {proc.pid} by hand, or set "
                 "detection.orphans_without_history: true"
             )
             return Outcome(

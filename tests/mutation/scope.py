@@ -270,6 +270,7 @@ _FIRST_TARGETS = (
             "annotate_findings",
             "_parent_only_cuda",
             "busy_instances",
+            "instance_users",
             "parent_of",
         ),
     ),

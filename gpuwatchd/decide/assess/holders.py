@@ -180,8 +180,7 @@ class HolderPass(AssessorState):
         return None
 
     def tied_to_dead_owner(self, proc: ProcessInfo, held: list[GpuInfo]) -> Outcome | None:
-        """Orphaned through a recorded tie to a dead owner or its unaccounted memory, or a
-        holder of only its own files; None when nothing ties it."""
+        """Orphaned through a tie to a dead owner or its memory (or holding only its own files)."""
         for gpu in held:
             tie = self.dead_owner_tie(proc, gpu) or self.unaccounted_without_owner(gpu, proc)
             if tie is None:
@@ -232,21 +231,20 @@ class HolderPass(AssessorState):
                 "first_seen": recorded.first_seen,
             }
             memory = f"{mib(as_int(tie['allocated']))} allocated on GPU {gpu.index}"
+            why = (
+                f"likely heir of the {memory} that no live context owner accounts for: its {link} "
+                f"leader PID {leader} is gone"
+            )
             if self.detection.orphans_without_history:
-                why = (
-                    f"likely heir of the {memory} that no live context owner accounts for: its "
-                    f"{link} leader PID {leader} is gone and it owns no context anywhere "
-                    "(detection.orphans_without_history)"
-                )
+                why += " and it owns no context anywhere (detection.orphans_without_history)"
                 return Outcome(
                     "orphaned", why, kind=FindingKind.ORPHANED, gpu=gpu, evidence=evidence
                 )
             del evidence["tie"]
             evidence["likely_heir"] = True
-            why = (
-                f"likely heir of the {memory} that no live context owner accounts for: its {link} "
-                f"leader PID {leader} is gone, but gpuwatchd never saw that owner alive (a leak "
-                f"from before it watched); check it and kill PID {proc.pid} by hand, or set "
+            why += (
+                ", but gpuwatchd never saw that owner alive (a leak from before it watched); "
+                f"check it and kill PID {proc.pid} by hand, or set "
                 "detection.orphans_without_history: true"
             )
             return Outcome(
@@ -299,8 +297,7 @@ class HolderPass(AssessorState):
         return evidence
 
     def hidden(self, note: str, *, undecided: bool = False) -> Outcome:
-        """A hidden holder; ``undecided``: the orphan rule could not be decided for it, so the
-        clean verdict (decide/verdict.py) counts it unknown."""
+        """A hidden holder; ``undecided``: the orphan rule was not decided (docs/internals.md)."""
         evidence: dict[str, object] = {"undecided": True} if undecided else {}
         return Outcome("hidden", note, kind=FindingKind.HIDDEN_HOLDER, evidence=evidence)
 

@@ -15,7 +15,6 @@ from gpuwatchd.decide.floor import is_infrastructure
 class Listing:
     """One PID an NVML process list named on one GPU, and what /proc says about it."""
 
-    gpu: GpuInfo
     entry: NvmlProcess
     status: str  # "dead", "zombie" or "alive" (invalid PIDs never become listings)
     proc: ProcessInfo | None
@@ -52,7 +51,7 @@ class HostView:
                     continue
                 proc = self.procs.get(entry.pid)
                 status = "dead" if proc is None else "zombie" if proc.is_zombie else "alive"
-                rows.append(Listing(gpu, entry, status, proc))
+                rows.append(Listing(entry, status, proc))
             self.listings[gpu.uuid] = rows
         # Every PID NVML lists alive on some GPU (a listed zombie that still holds device files
         # has live threads): they own a context somewhere, and are never orphans.

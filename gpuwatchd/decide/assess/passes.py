@@ -45,15 +45,10 @@ def assess(
     processes: Callable[[Snapshot, AssessState, Detection, Refused], Assessment] | None = None,
 ) -> Assessment:
     """Judge one snapshot: findings with evidence, each holder's role, and the new state. Pure.
-
     ``driver_refused``: per GPU UUID, a reset the driver refused as in use while no scan saw a
-    holder (``plan.hidden_holders``). ``processes`` stands in for :func:`assess_processes`
-    (``Reuse`` passes the one that remembers the last poll's); GPU health is always assessed.
-    """
+    holder (``plan.hidden_holders``); ``processes``: ``Reuse``'s :func:`assess_processes`."""
     passes = processes or assess_processes
     result = passes(snapshot, previous, detection, driver_refused or {})
-    # A boot id that could not be read is no new boot: the health history is kept, and so is
-    # the last id read (the process side still drops what it keeps, shared.py).
     boot_id = previous.boot_id if snapshot.boot_id is None else snapshot.boot_id
     boot_changed = previous.boot_id not in (None, boot_id)
     health = assess_health(

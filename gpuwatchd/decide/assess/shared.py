@@ -28,6 +28,7 @@ from gpuwatchd.decide.assess.state import (
     update_owners,
 )
 from gpuwatchd.decide.health.xid_sources import XidNotice
+from gpuwatchd.decide.mig.instances import NOT_JUDGED
 from gpuwatchd.decide.policy import Detection
 
 NODE = "node"  # key of node-wide entries in ``Assessment.report_only`` and ``HolderRole.gpu``
@@ -117,7 +118,7 @@ def _report_only(host: HostView, trust_problem: str | None) -> dict[str, str]:
         if gpu.lost:
             result[gpu.uuid] = f"GPU lost: {gpu.error or 'not answering'}"
         elif gpu.mig_enabled:
-            result[gpu.uuid] = "MIG enabled: processes and memory live in MIG instances"
+            result[gpu.uuid] = NOT_JUDGED
         elif gpu.processes is None:
             result[gpu.uuid] = "its process list could not be read"
         elif gpu.mig_enabled is None:

@@ -159,9 +159,7 @@ def mig_layout(snapshot: Snapshot) -> MigLayout:
         for cap, route in _capabilities(holding, table):
             # A minor the table does not name, or an instance NVML does not list: nothing.
             named = None if cap is None else by_place.get((cap.gpu_minor, cap.gi))
-            if named is None or (
-                cap is not None and cap.ci is not None and cap.ci not in named.cis
-            ):
+            if cap is None or named is None or (cap.ci is not None and cap.ci not in named.cis):
                 continue
             routes = mine.get(named.uuid, ())
             if route not in routes:
@@ -191,23 +189,18 @@ def _merge_processes(devices: Iterable[MigDevice]) -> tuple[NvmlProcess, ...] | 
 
 def instance_gpu(instance: MigInstance) -> GpuInfo:
     """A GPU instance as a GPU of its own, for the assessment."""
-    parent = instance.parent
     errors = [d.error for d in instance.devices if d.error]
-    return GpuInfo(
-        index=parent.index,
+    return replace(
+        instance.parent,  # never lost: a lost GPU is not judged
         uuid=instance.uuid,
         name=instance.memory_device.name,
-        pci_bus_id=parent.pci_bus_id,
         minor=instance.minor,
         memory=instance.memory_device.memory,
         processes=_merge_processes(instance.devices),
         mig_enabled=False,
-        persistence_mode=parent.persistence_mode,
-        numa_node=parent.numa_node,
-        numa_node_unknown=parent.numa_node_unknown,
-        architecture=parent.architecture,
-        nvlink_active=parent.nvlink_active,
         error="; ".join(errors) or None,
+        health=None,
+        mig_devices=None,
     )
 
 
@@ -348,17 +341,32 @@ def busy_instances(snapshot: Snapshot, gpu: GpuInfo) -> str | None:
         return f"its MIG instances cannot be told idle: {layout.unjudged[gpu.uuid]}"
     busy: list[str] = []
     for instance in layout.instances_of(gpu.uuid):
-        users: set[int] = set()
-        for device in instance.devices:
-            for entry in device.processes or ():
-                proc = snapshot.processes.get(entry.pid)
-                if proc is not None and not proc.is_zombie:
-                    users.add(entry.pid)
-            if device.processes is None:
-                busy.append(f"GPU instance {instance.gi}: its process list is unknown")
-        users |= {pid for pid, named in layout.attributed.items() if instance.uuid in named}
-        users -= set(snapshot.self_pids)
-        if users:
-            shown = ", ".join(str(pid) for pid in sorted(users)[:5])
-            busy.append(f"GPU instance {instance.gi} is in use (PID {shown})")
+        listed, holders, unknown = instance_users(snapshot, layout, instance)
+        busy += unknown
+        if users := listed | holders:
+            busy.append(f"GPU instance {instance.gi} is in use (PID {shown_pids(users)})")
     return "; ".join(busy) or None
+
+
+def instance_users(
+    snapshot: Snapshot, layout: MigLayout, instance: MigInstance
+) -> tuple[set[int], set[int], list[str]]:
+    """The live PIDs NVML lists in ``instance``, the holders of its capabilities (the daemon's
+    own left out of both), and one line for each of its process lists that is unknown."""
+    listed: set[int] = set()
+    unknown: list[str] = []
+    for device in instance.devices:
+        if device.processes is None:
+            unknown.append(f"GPU instance {instance.gi}: its process list is unknown")
+        for entry in device.processes or ():
+            proc = snapshot.processes.get(entry.pid)
+            if proc is not None and not proc.is_zombie:
+                listed.add(entry.pid)
+    holders = {pid for pid, named in layout.attributed.items() if instance.uuid in named}
+    own = snapshot.self_pids
+    return listed - own, holders - own, unknown
+
+
+def shown_pids(pids: Iterable[int]) -> str:
+    """The first five of ``pids``, in order, for a message."""
+    return ", ".join(str(pid) for pid in sorted(pids)[:5])

@@ -13,7 +13,7 @@ from gpuwatchd.core.checked import as_count
 from gpuwatchd.core.model import GpuInfo, HolderScan, MigDevice, ProcessInfo, Snapshot
 from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.decide.floor import is_infrastructure
-from gpuwatchd.decide.mig.instances import mig_layout
+from gpuwatchd.decide.mig.instances import instance_users, mig_layout, shown_pids
 
 
 @dataclass(frozen=True)
@@ -128,37 +128,26 @@ def _placement(device: MigDevice) -> tuple[int, int] | None:
 
 
 def instance_blockers(snapshot: Snapshot, instance_uuid: str) -> list[str]:
-    """Why GPU instance ``instance_uuid`` may be in use in ``snapshot`` (unknown counts as in
-    use; docs/internals.md); empty when nothing is known to hold it."""
+    """Why GPU instance ``instance_uuid`` may be in use in ``snapshot`` (docs/internals.md)."""
     layout = mig_layout(snapshot)
     instance = layout.instance_of(instance_uuid)
     if instance is None:
         return ["not a judged MIG GPU instance in this snapshot"]
-    own = set(snapshot.self_pids)
-    why: list[str] = []
-    listed: set[int] = set()
-    for device in instance.devices:
-        if device.processes is None:
-            why.append(f"GPU instance {instance.gi}: its process list is unknown")
-        for entry in device.processes or ():
-            proc = snapshot.processes.get(entry.pid)
-            if proc is not None and not proc.is_zombie:
-                listed.add(entry.pid)
-    holders = {pid for pid, named in layout.attributed.items() if instance_uuid in named}
+    listed, holders, why = instance_users(snapshot, layout, instance)
     unsure = {
         pid
         for pid, parents in layout.parent_only.items()
         if instance.parent.uuid in parents
+        and pid not in snapshot.self_pids
         and not ((proc := snapshot.processes.get(pid)) is not None and is_infrastructure(proc))
     }
     for pids, what in (
-        (listed - own, "listed by NVML in it"),
-        (holders - own, "holding its capability files"),
-        (unsure - holders - own, "holding its GPU's device node, instance unknown"),
+        (listed, "listed by NVML in it"),
+        (holders, "holding its capability files"),
+        (unsure - holders, "holding its GPU's device node, instance unknown"),
     ):
         if pids:
-            shown = ", ".join(str(pid) for pid in sorted(pids)[:5])
-            why.append(f"GPU instance {instance.gi}: PID {shown} {what}")
+            why.append(f"GPU instance {instance.gi}: PID {shown_pids(pids)} {what}")
     return why
 
 
@@ -169,8 +158,7 @@ def recovery_blockers(
     self_pids: frozenset[int],
     instance_uuid: str,
 ) -> list[str]:
-    """The final scan of a recovery: :func:`instance_blockers` with a fresh full holder scan in
-    place of the last poll's; a process whose files could not be read blocks."""
+    """The final scan of a recovery (docs/internals.md); an unreadable process blocks."""
     fresh = replace(
         last,
         holders=holders,
@@ -264,8 +252,7 @@ def instance_changed(recovery: InstanceRecovery, gpu: GpuInfo | None) -> str | N
 
 
 def placement_taken(recovery: InstanceRecovery, gpu: GpuInfo | None) -> str | None:
-    """None when the fresh reading ``gpu`` lists neither GPU instance ``gi`` nor one overlapping
-    the planned placement (the re-create may run); else what occupies it. Pure."""
+    """None when the fresh reading ``gpu`` leaves the planned placement free; else why not."""
     devices = _devices(recovery, gpu)
     if isinstance(devices, str):
         return devices
@@ -285,9 +272,8 @@ def placement_taken(recovery: InstanceRecovery, gpu: GpuInfo | None) -> str | No
 def resume_point(
     recovery: InstanceRecovery, gpu: GpuInfo | None, done: int | None, total: int
 ) -> int | str:
-    """The index of the first of its ``total`` commands a recovery a crash interrupted runs
-    again (``total``: none; ``done``: the state file's count, None: not counted), or why it
-    cannot go on. Pure."""
+    """The first of its ``total`` commands an interrupted recovery runs again (``total``: none;
+    ``done``: the state file's count, None: not counted), or why it cannot go on. Pure."""
     devices = _devices(recovery, gpu)
     if isinstance(devices, str):
         return devices

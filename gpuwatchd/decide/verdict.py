@@ -9,7 +9,7 @@ In detail: docs/internals.md, section `gpuwatchd.decide.verdict`.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from gpuwatchd.core.model import (
@@ -143,7 +143,11 @@ class _Judge:
         self.reasons: dict[str, list[Reason]] = {g.uuid: [] for g in self.gpus}
         self.excused: dict[tuple[str, int], Reason] = {}
         self.notes: dict[str, list[str]] = {g.uuid: [] for g in self.gpus}
-        self._holders_by_minor: dict[int | None, list[tuple[int, DeviceHolding]]] | None = None
+        # The holdings by GPU minor, and those of nvidiactl/nvidia-uvm only (None), indexed once.
+        self.holdings: dict[int | None, list[tuple[int, DeviceHolding]]] = {}
+        for pid, holding in sorted(snapshot.holders.holdings.items()):
+            for key in holding.gpu_minors or ((None,) if holding.ctl or holding.uvm else ()):
+                self.holdings.setdefault(key, []).append((pid, holding))
 
     def process(self, pid: int) -> ProcessInfo | None:
         return self.snapshot.processes.get(pid)
@@ -330,17 +334,11 @@ class _Judge:
 
     def _holders_of(self, minor: int | None) -> list[tuple[int, DeviceHolding]]:
         """The holdings on GPU ``minor`` and those of nvidiactl/nvidia-uvm only, by PID: the
-        only ones :meth:`reset_blockers` can list (indexed once, not walked per GPU)."""
-        index = self._holders_by_minor
-        if index is None:
-            index = {}
-            for pid, holding in sorted(self.snapshot.holders.holdings.items()):
-                for key in holding.gpu_minors or ((None,) if holding.ctl or holding.uvm else ()):
-                    index.setdefault(key, []).append((pid, holding))
-            self._holders_by_minor = index
+        only ones :meth:`reset_blockers` can list."""
+        node_only = self.holdings.get(None, [])
         if minor is None:
-            return index.get(None, [])
-        return sorted(index.get(minor, []) + index.get(None, []), key=lambda item: item[0])
+            return node_only
+        return sorted(self.holdings.get(minor, []) + node_only, key=lambda item: item[0])
 
     def verdict(self, unfinished: Mapping[str, str]) -> NodeVerdict:
         nvml = self.snapshot.nvml
@@ -442,12 +440,6 @@ def _summary(gpu: GpuVerdict) -> str:
         r.kind + (f" pid {r.pid}" if r.pid is not None else "") for r in gpu.reasons
     )
     return f"GPU {gpu.index} {gpu.uuid}: {reasons or gpu.state.value}"
-
-
-def not_clean(verdict: NodeVerdict, uuids: Iterable[str] | None = None) -> list[GpuVerdict]:
-    """The GPUs (all, or those named) that are not clean."""
-    wanted = None if uuids is None else set(uuids)
-    return [g for g in verdict.gpus if not g.clean and (wanted is None or g.uuid in wanted)]
 
 
 def _role_label(role: HolderRole | None, node_only: bool) -> str:

@@ -32,13 +32,11 @@ def claims_infrastructure(names: Iterable[str]) -> bool:
     return any(_name_matches(name, FLOOR_PROCESS_NAMES) for name in names)
 
 
-def _is_slurm_scope(part: str) -> bool:
-    return part == "slurmstepd.scope" or part.endswith("_slurmstepd.scope")
-
-
-def _is_users_part(part: str) -> bool:
+def _users_part(part: str) -> bool:
+    """A user's subtree or a Slurm job's scope: what a user's work is placed in."""
     return (
-        part == "user.slice"
+        part in ("user.slice", "slurmstepd.scope")
+        or part.endswith("_slurmstepd.scope")
         or (part.startswith("user-") and part.endswith(".slice"))
         or (part.startswith("user@") and part.endswith(".service"))
     )
@@ -56,7 +54,7 @@ def system_cgroup(cgroup: CgroupInfo | None) -> bool | None:
         return False
     if cgroup.slurm_job is not None:
         return False
-    if any(_is_users_part(part) or _is_slurm_scope(part) for part in parts):
+    if any(_users_part(part) for part in parts):
         return False
     if cgroup.delegated is None:
         return None
@@ -191,8 +189,8 @@ def unverified_infrastructure(proc: ProcessInfo) -> str | None:
     infrastructure name or unit, and whether that is true cannot be read. None otherwise."""
     if is_infrastructure(proc):
         return None
-    if claims_infrastructure(proc.names) and trusted_identity(proc) is None:
-        claimed = sorted(n for n in proc.names if _name_matches(n, FLOOR_PROCESS_NAMES))
+    claimed = sorted(n for n in proc.names if _name_matches(n, FLOOR_PROCESS_NAMES))
+    if claimed and trusted_identity(proc) is None:
         return f"goes by {claimed[0]!r}, but whether it is that program cannot be read"
     cgroup = proc.cgroup
     placed = None if cgroup is None else _in_unit(cgroup, FLOOR_UNIT_PATTERNS)
@@ -221,8 +219,8 @@ def live_holder(
     Infrastructure does not count (the reset procedure stops it); anything unknown does."""
     if minor is None:
         return "GPU minor number unknown, holders cannot be checked"
-    if holders.unreadable - self_pids:
-        return f"fds/maps of {len(holders.unreadable - self_pids)} process(es) unreadable"
+    if unreadable := holders.unreadable - self_pids:
+        return f"fds/maps of {len(unreadable)} process(es) unreadable"
     for holding in holders.holders_of(minor):
         if holding.pid in self_pids:
             continue

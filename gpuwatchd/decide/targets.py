@@ -43,8 +43,6 @@ def _filters_match(rule: Rule, process: ProcessInfo | None) -> bool:
         return True
     if process is None:
         return False
-    if rule.users and not _glob_any(process.user, rule.users):
-        return False
     if rule.commands:
         if process.cmdline is None:
             return False
@@ -53,11 +51,13 @@ def _filters_match(rule: Rule, process: ProcessInfo | None) -> bool:
         if not any(command_search(p, joined) for p in rule.commands):
             return False
     cgroup = process.cgroup
-    if rule.cgroups and not _glob_any(None if cgroup is None else cgroup.path, rule.cgroups):
-        return False
-    if rule.units and not _glob_any(None if cgroup is None else cgroup.systemd_unit, rule.units):
-        return False
-    return not (rule.jobs and not _glob_any(None if cgroup is None else cgroup.job_key, rule.jobs))
+    globbed = (
+        (rule.users, process.user),
+        (rule.cgroups, None if cgroup is None else cgroup.path),
+        (rule.units, None if cgroup is None else cgroup.systemd_unit),
+        (rule.jobs, None if cgroup is None else cgroup.job_key),
+    )
+    return all(_glob_any(value, globs) for globs, value in globbed if globs)
 
 
 def gpu_protected(gpu_uuid: str | None, gpu: GpuInfo | None, policy: Policy) -> str | None:
@@ -72,10 +72,7 @@ def gpu_protected(gpu_uuid: str | None, gpu: GpuInfo | None, policy: Policy) -> 
 
 
 def gpu_by_uuid(snapshot: Snapshot, uuid: str | None) -> GpuInfo | None:
-    for gpu in snapshot.nvml.gpus:
-        if gpu.uuid == uuid:
-            return gpu
-    return None
+    return next((gpu for gpu in snapshot.nvml.gpus if gpu.uuid == uuid), None)
 
 
 def _floor_reason(
@@ -143,10 +140,7 @@ def _process_protect_checks(process: ProcessInfo, policy: Policy) -> Iterator[tu
 def protect_match(process: ProcessInfo, policy: Policy) -> str | None:
     """What in ``protect`` (commands, users, units, cgroups) names ``process``, or None: only a
     positive match (an unknown fact excuses no dirt; :func:`refusal` refuses for it)."""
-    for matched, why in _process_protect_checks(process, policy):
-        if matched:
-            return why
-    return None
+    return next((why for matched, why in _process_protect_checks(process, policy) if matched), None)
 
 
 def protect_refusal(process: ProcessInfo, policy: Policy) -> str | None:

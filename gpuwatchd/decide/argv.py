@@ -176,19 +176,15 @@ def format_argv(template: Sequence[str], **values: str | None) -> tuple[str, ...
 HOOK_VALUE_LIMIT = 1024  # characters of one GPUWATCHD_* value; a longer one is cut
 
 
-def hook_value(value: object) -> str:
-    """A fact as a hook's environment value, escaped and cut (docs/internals.md says why)."""
-    text = escape(str(value))
-    if len(text) > HOOK_VALUE_LIMIT:
-        text = text[: HOOK_VALUE_LIMIT - 3] + "..."
-    return text
-
-
 def hook_environment(event: str, **fields: object) -> dict[str, str]:
     """``GPUWATCHD_EVENT=event`` plus ``GPUWATCHD_<FIELD>`` for each field that is not None,
-    each value made safe by :func:`hook_value`."""
+    escaped and cut to HOOK_VALUE_LIMIT characters (docs/internals.md says why)."""
     named = {"event": event, **fields}
-    return {f"GPUWATCHD_{k.upper()}": hook_value(v) for k, v in named.items() if v is not None}
+    texts = {f"GPUWATCHD_{k.upper()}": escape(str(v)) for k, v in named.items() if v is not None}
+    return {
+        key: text if len(text) <= HOOK_VALUE_LIMIT else text[: HOOK_VALUE_LIMIT - 3] + "..."
+        for key, text in texts.items()
+    }
 
 
 # --- checking a command when the policy is read -------------------------------------------------

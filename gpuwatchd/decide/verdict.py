@@ -12,14 +12,7 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from gpuwatchd.core.model import (
-    DeviceHolding,
-    Finding,
-    FindingKind,
-    GpuInfo,
-    ProcessInfo,
-    Snapshot,
-)
+from gpuwatchd.core.model import DeviceHolding, Finding, FindingKind, GpuInfo, Snapshot
 from gpuwatchd.core.vocabulary import Cleanliness, HolderRoleName, LeftoverName
 from gpuwatchd.decide import kinds
 from gpuwatchd.decide.assess.baselines import compared_figure
@@ -134,6 +127,7 @@ class _Judge:
         self.snapshot = snapshot
         self.assessment = assessment
         self.policy = policy
+        self.processes = snapshot.processes
         self.gpus = sorted(snapshot.nvml.gpus, key=lambda g: (g.index, g.uuid))
         # By whole GPU: a MIG instance's holders are its GPU's, as its findings are.
         self.gpu_roles = [(self.whole(role.gpu), role) for role in assessment.roles]
@@ -149,9 +143,6 @@ class _Judge:
             for key in holding.gpu_minors or ((None,) if holding.ctl or holding.uvm else ()):
                 self.holdings.setdefault(key, []).append((pid, holding))
 
-    def process(self, pid: int) -> ProcessInfo | None:
-        return self.snapshot.processes.get(pid)
-
     def role(self, uuid: str, pid: int) -> HolderRole | None:
         return self.roles.get((uuid, pid)) or self.roles.get((NODE, pid))
 
@@ -159,11 +150,10 @@ class _Judge:
         """Why ``finding`` is not dirt on GPU ``uuid`` (a management client or infrastructure,
         or a process ``protect`` names), as the reset blocker it still is. None: it is dirt."""
         pid = finding.pid
-        if pid is None:
-            # About the GPU itself: no process to excuse, so it is dirt.
+        if pid is None:  # about the GPU itself: no process to excuse, so it is dirt
             return None
         role = self.role(uuid, pid)
-        proc = self.process(pid)
+        proc = self.processes.get(pid)
         name = proc.comm if proc is not None and proc.comm else "?"
         if (role is not None and role.role is HolderRoleName.MANAGEMENT) or (
             finding.evidence.get("nvml_only") is True
@@ -251,7 +241,7 @@ class _Judge:
         pids = sorted(
             pid
             for pid in holders.unreadable - self.snapshot.self_pids
-            if (proc := self.process(pid)) is None or not is_infrastructure(proc)
+            if (proc := self.processes.get(pid)) is None or not is_infrastructure(proc)
         )
         if not pids:
             return None
@@ -262,49 +252,44 @@ class _Judge:
         text = f"the fds/maps of PID(s) {shown}{more} could not be read{why}"
         return Reason(LeftoverName.UNREADABLE, pids[0], f"{text}: what they hold is unknown")
 
-    def add_memory(self, gpu: GpuInfo) -> None:
-        """``leftover_memory``: allocated memory above the idle baseline plus the margin that
-        no live process accounts for (decide/assess/baselines.py's figure and baseline)."""
+    def add_memory(self, gpu: GpuInfo) -> str | None:
+        """Adds ``leftover_memory``: allocated memory above the idle baseline plus the margin
+        that no live process accounts for. Returns why memory could not be judged, or None."""
         found = {r.kind for r in self.reasons[gpu.uuid]}
         said = {k.value for k in kinds.MEMORY | kinds.LISTING}
         if gpu.lost or gpu.processes is None or found & said:
-            return
-        notes = self.notes[gpu.uuid]
+            return None
         coherent = gpu.coherent_memory
-        if coherent is not False or gpu.mig_enabled:
-            if coherent is None:
-                why = "coherent memory unknown (its NUMA node could not be read)"
-            else:
-                why = "coherent memory" if coherent else "MIG enabled"
-            notes.append(f"memory not judged: {why}")
-            return
+        if coherent is None:
+            return "coherent memory unknown (its NUMA node could not be read)"
+        if coherent or gpu.mig_enabled:
+            return "coherent memory" if coherent else "MIG enabled"
         detection = self.policy.detection
         compared = compared_figure(gpu, self.assessment.state.baselines, detection.default_baseline)
         if isinstance(compared, str):
-            notes.append(f"memory not judged: {compared}")
-            return
+            return compared
         value, baseline, learned = compared
         live = [
             entry
             for entry in gpu.processes
             if entry.pid not in self.snapshot.self_pids
-            and (proc := self.process(entry.pid)) is not None
+            and (proc := self.processes.get(entry.pid)) is not None
             and not proc.is_zombie
         ]
         figures = [entry.used_memory for entry in live]
         if any(f is None for f in figures):
-            notes.append("memory not judged: a live owner's memory figure is unknown")
-            return
+            return "a live owner's memory figure is unknown"
         accounted = sum(f for f in figures if f is not None)
         margin = detection.unaccounted_margin if live else detection.ghost_margin
         excess = value - accounted - baseline
         if excess <= margin:
-            return
+            return None
         owners = f", {mib(accounted)} of it live processes'" if live else ""
         which = "learned" if learned else "default"
         text = f"{mib(value)} allocated{owners}: {mib(excess)} above its {which} idle baseline"
         text += " that no live process accounts for"
         self.reasons[gpu.uuid].append(Reason(LeftoverName.LEFTOVER_MEMORY, None, text))
+        return None
 
     def reset_blockers(self, gpu: GpuInfo) -> list[Reason]:
         """Holders of the GPU's device file (and of nvidiactl/nvidia-uvm only) that are not
@@ -316,7 +301,7 @@ class _Judge:
             node_only = not holding.gpu_minors  # _holders_of lists those of nvidiactl/-uvm only
             if pid in self.snapshot.self_pids or pid in dirty:
                 continue
-            proc = self.process(pid)
+            proc = self.processes.get(pid)
             if proc is not None and is_infrastructure(proc):
                 continue
             excused = self.excused.get((gpu.uuid, pid))
@@ -354,7 +339,8 @@ class _Judge:
                 self.reasons[uuid].append(Reason(LeftoverName.MIG_UNFINISHED.value, None, why))
         self.add_unknowns()
         for gpu in self.gpus:
-            self.add_memory(gpu)
+            if (unjudged := self.add_memory(gpu)) is not None:
+                self.notes[gpu.uuid].append(f"memory not judged: {unjudged}")
         result = []
         blind = self.snapshot.host_namespaces is not True
         for gpu in self.gpus:

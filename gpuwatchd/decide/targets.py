@@ -82,12 +82,10 @@ def _floor_reason(
         return "the daemon itself"
     if process.pid in self_ancestors:
         return "an ancestor of the daemon"
-    infra = infrastructure(process)
-    if infra is not None:
-        return infra
-    unverified = unverified_infrastructure(process)
-    if unverified is not None:
-        return unverified  # unknown never leads to a kill
+    # An unverified claim too: unknown never leads to a kill.
+    floor = infrastructure(process) or unverified_infrastructure(process)
+    if floor is not None:
+        return floor
     holding = snapshot.holders.holdings.get(process.pid)
     uvm = finding.evidence.get("uvm")
     if uvm is False or (holding is not None and not holding.uvm):
@@ -152,8 +150,7 @@ def protect_refusal(process: ProcessInfo, policy: Policy) -> str | None:
 def _protect_reason(
     process: ProcessInfo, finding: Finding, snapshot: Snapshot, policy: Policy
 ) -> str | None:
-    refused = protect_refusal(process, policy)  # a match, or an unknown fact
-    if refused is not None:
+    if (refused := protect_refusal(process, policy)) is not None:  # a match, or unknown
         return refused
     if policy.protect.gpus:
         uuids: list[str | None] = [finding.gpu]
@@ -181,14 +178,11 @@ def refusal(
     lowers it), "spare: …", "protect: …" or "identity: …"; None when it may."""
     if process is None:
         return "identity: process not in the snapshot"
-    floor = _floor_reason(process, finding, snapshot, self_ancestors)
-    if floor is not None:
+    if (floor := _floor_reason(process, finding, snapshot, self_ancestors)) is not None:
         return f"floor: {floor}"
-    spared = spare_reason(process, snapshot)
-    if spared is not None:
+    if (spared := spare_reason(process, snapshot)) is not None:
         return f"spare: {spared}"
-    protect = _protect_reason(process, finding, snapshot, policy)
-    if protect is not None:
+    if (protect := _protect_reason(process, finding, snapshot, policy)) is not None:
         return f"protect: {protect}"
     if process.start_ticks is None or finding.start_ticks is None:
         return "identity: start time unknown"

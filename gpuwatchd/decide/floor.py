@@ -204,8 +204,7 @@ def live_holder(
     minor: int | None,
     self_pids: frozenset[int],
 ) -> str | None:
-    """Why GPU ``minor`` has a live holder in this snapshot (plan's reset gate), or None.
-    Infrastructure does not count (the reset procedure stops it); anything unknown does."""
+    """Why GPU ``minor`` has a live holder (infrastructure aside) or an unknown one, or None."""
     if minor is None:
         return "GPU minor number unknown, holders cannot be checked"
     if unreadable := holders.unreadable - self_pids:

@@ -235,8 +235,7 @@ class _Judge:
                 reasons.append(unread)
 
     def unreadable(self) -> Reason | None:
-        """The processes (infrastructure aside) whose fds or maps could not be read: what they
-        hold is unknown, on every GPU."""
+        """The processes (infrastructure aside) whose fds or maps could not be read, if any."""
         holders = self.snapshot.holders
         pids = sorted(
             pid
@@ -292,9 +291,8 @@ class _Judge:
         return None
 
     def reset_blockers(self, gpu: GpuInfo) -> list[Reason]:
-        """Holders of the GPU's device file (and of nvidiactl/nvidia-uvm only) that are not
-        dirt here: the driver, or gpuwatchd's final scan, would refuse a reset while they hold
-        it. Infrastructure is left out: the reset procedure itself stops it."""
+        """Holders of the GPU's device file (and of nvidiactl/nvidia-uvm only) that are not dirt
+        here, infrastructure aside (the reset procedure itself stops it)."""
         dirty = {r.pid for r in self.reasons[gpu.uuid] if r.pid is not None}
         found: list[Reason] = []
         for pid, holding in self._holders_of(gpu.minor):
@@ -318,8 +316,7 @@ class _Judge:
         return found
 
     def _holders_of(self, minor: int | None) -> list[tuple[int, DeviceHolding]]:
-        """The holdings on GPU ``minor`` and those of nvidiactl/nvidia-uvm only, by PID: the
-        only ones :meth:`reset_blockers` can list."""
+        """The holdings on GPU ``minor`` and those of nvidiactl/nvidia-uvm only, by PID."""
         node_only = self.holdings.get(None, [])
         if minor is None:
             return node_only
@@ -383,15 +380,12 @@ def judge(
 # --- run --once: done, wait, or nothing more will change ---------------------------------------
 
 
-class OnceStep(str, enum.Enum):
+class OnceStep(enum.Enum):
     """Where ``run --once`` stands after a poll (:func:`once_progress`)."""
 
     DONE = "done"  # nothing under way, every GPU clean: exit 0
     WAIT = "wait"  # something is under way, or may still settle: poll again (until --timeout)
     STUCK = "stuck"  # nothing under way, and what is left will not change by waiting: exit 75
-
-    def __str__(self) -> str:
-        return self.value
 
 
 def once_progress(

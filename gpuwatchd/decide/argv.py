@@ -13,11 +13,6 @@ from dataclasses import dataclass
 
 from gpuwatchd.core.escape import escape
 
-ARGV_PLACEHOLDERS = (
-    *("uuid", "pci_bus_id", "minor", "mode", "hostname", "user"),
-    # A MIG GPU instance's recovery (decide/mig/recovery.py): ``{uuid}`` is then its parent's.
-    *("gi", "ci", "mig_uuid", "profile", "placement"),
-)
 # Placeholders the reset commands and hooks may use; ``mode`` only the persistence command.
 GPU_PLACEHOLDERS = ("uuid", "pci_bus_id", "minor")
 # Hooks also know the node and, for an action on a process, the user who owned it.
@@ -47,14 +42,6 @@ _VALUE_FORMATS: dict[str, tuple[re.Pattern[str], str]] = {
     ),
     "minor": (re.compile("0|[1-9][0-9]{0,2}"), "a device minor number (decimal 0..255)"),
     "mode": (re.compile("[01]"), "a persistence mode (0 or 1)"),
-    "gi": (re.compile("0|[1-9][0-9]?"), "a GPU instance id (decimal 0..99)"),
-    "ci": (re.compile("0|[1-9][0-9]?"), "a compute instance id (decimal 0..99)"),
-    "mig_uuid": (
-        re.compile(f"MIG-{_UUID_BODY}|MIG-GPU-{_UUID_BODY}/[0-9]{{1,3}}/[0-9]{{1,3}}"),
-        "a MIG device UUID (MIG-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, hex)",
-    ),
-    "profile": (re.compile("0|[1-9][0-9]?"), "a GPU instance profile id (decimal 0..99)"),
-    "placement": (re.compile("0|[1-9][0-9]?"), "a placement start slice (decimal 0..99)"),
     # RFC 1123 labels, dot-separated: what a scheduler accepts as a node name.
     "hostname": (
         re.compile(
@@ -68,10 +55,20 @@ _VALUE_FORMATS: dict[str, tuple[re.Pattern[str], str]] = {
         re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}\$?"),
         "a user name (letters, digits, '_', '.', '-', at most 32 characters, no leading '-')",
     ),
+    # A MIG GPU instance's recovery (decide/mig/recovery.py): ``{uuid}`` is then its parent's.
+    "gi": (re.compile("0|[1-9][0-9]?"), "a GPU instance id (decimal 0..99)"),
+    "ci": (re.compile("0|[1-9][0-9]?"), "a compute instance id (decimal 0..99)"),
+    "mig_uuid": (
+        re.compile(f"MIG-{_UUID_BODY}|MIG-GPU-{_UUID_BODY}/[0-9]{{1,3}}/[0-9]{{1,3}}"),
+        "a MIG device UUID (MIG-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, hex)",
+    ),
+    "profile": (re.compile("0|[1-9][0-9]?"), "a GPU instance profile id (decimal 0..99)"),
+    "placement": (re.compile("0|[1-9][0-9]?"), "a placement start slice (decimal 0..99)"),
 }
 # The longest value of each (``MIG-GPU-`` + 36 + ``/999/999``): what a placeholder can add.
 _LONGEST = {"uuid": 52, "mig_uuid": 52, "pci_bus_id": 16, "minor": 3, "mode": 1, "user": 33}
 _LONGEST.update(hostname=253, gi=2, ci=2, profile=2, placement=2)
+ARGV_PLACEHOLDERS = tuple(_VALUE_FORMATS)
 # Literal GPU names as an admin may write them (case-insensitive, bus id domain optional).
 LITERAL_UUID = re.compile(f"(?i:GPU)-{_UUID_BODY}")
 LITERAL_BUS_ID = re.compile(f"(?:{_HEX}{{4,8}}:)?{_HEX}{{2}}:{_HEX}{{2}}\\.[0-7]")
@@ -179,19 +176,15 @@ def format_argv(template: Sequence[str], **values: str | None) -> tuple[str, ...
 HOOK_VALUE_LIMIT = 1024  # characters of one GPUWATCHD_* value; a longer one is cut
 
 
-def hook_value(value: object) -> str:
-    """A fact as a hook's environment value, escaped and cut (docs/internals.md says why)."""
-    text = escape(str(value))
-    if len(text) > HOOK_VALUE_LIMIT:
-        text = text[: HOOK_VALUE_LIMIT - 3] + "..."
-    return text
-
-
 def hook_environment(event: str, **fields: object) -> dict[str, str]:
     """``GPUWATCHD_EVENT=event`` plus ``GPUWATCHD_<FIELD>`` for each field that is not None,
-    each value made safe by :func:`hook_value`."""
+    escaped and cut to HOOK_VALUE_LIMIT characters (docs/internals.md says why)."""
     named = {"event": event, **fields}
-    return {f"GPUWATCHD_{k.upper()}": hook_value(v) for k, v in named.items() if v is not None}
+    texts = {f"GPUWATCHD_{k.upper()}": escape(str(v)) for k, v in named.items() if v is not None}
+    return {
+        key: text if len(text) <= HOOK_VALUE_LIMIT else text[: HOOK_VALUE_LIMIT - 3] + "..."
+        for key, text in texts.items()
+    }
 
 
 # --- checking a command when the policy is read -------------------------------------------------

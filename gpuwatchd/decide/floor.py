@@ -32,13 +32,11 @@ def claims_infrastructure(names: Iterable[str]) -> bool:
     return any(_name_matches(name, FLOOR_PROCESS_NAMES) for name in names)
 
 
-def _is_slurm_scope(part: str) -> bool:
-    return part == "slurmstepd.scope" or part.endswith("_slurmstepd.scope")
-
-
-def _is_users_part(part: str) -> bool:
+def _users_part(part: str) -> bool:
+    """A user's subtree or a Slurm job's scope: what a user's work is placed in."""
     return (
-        part == "user.slice"
+        part in ("user.slice", "slurmstepd.scope")
+        or part.endswith("_slurmstepd.scope")
         or (part.startswith("user-") and part.endswith(".slice"))
         or (part.startswith("user@") and part.endswith(".service"))
     )
@@ -50,13 +48,9 @@ def system_cgroup(cgroup: CgroupInfo | None) -> bool | None:
     if cgroup is None:
         return None
     parts = [p for p in cgroup.path.split("/") if p]
-    if not parts or parts[0] not in _SYSTEM_ROOTS:
+    if not parts or parts[0] not in _SYSTEM_ROOTS or any(_users_part(p) for p in parts):
         return False
-    if cgroup.container_id is not None or cgroup.pod_uid is not None:
-        return False
-    if cgroup.slurm_job is not None:
-        return False
-    if any(_is_users_part(part) or _is_slurm_scope(part) for part in parts):
+    if any(v is not None for v in (cgroup.container_id, cgroup.pod_uid, cgroup.slurm_job)):
         return False
     if cgroup.delegated is None:
         return None
@@ -66,11 +60,8 @@ def system_cgroup(cgroup: CgroupInfo | None) -> bool | None:
 def _top_unit(cgroup: CgroupInfo) -> str | None:
     """The unit systemd started for ``cgroup``: its first part after the slices. A name below
     it is the unit's own sub-cgroup, named by whoever runs in it, never systemd's word."""
-    for part in cgroup.path.split("/"):
-        if not part or part.endswith(".slice"):
-            continue
-        return part if part.endswith((".service", ".scope")) else None
-    return None
+    part = next((p for p in cgroup.path.split("/") if p and not p.endswith(".slice")), "")
+    return part if part.endswith((".service", ".scope")) else None
 
 
 def _in_unit(cgroup: CgroupInfo | None, patterns: Iterable[str]) -> bool | None:
@@ -118,11 +109,9 @@ def _trusted_name(proc: ProcessInfo, names: frozenset[str]) -> str | None:
     exe = proc.exe_name
     if exe is not None and exe in names:
         return exe
-    if proc.uid == 0:
-        for name in sorted(proc.names):
-            if _name_matches(name, names):
-                return name
-    return None
+    if proc.uid != 0:
+        return None
+    return next((name for name in sorted(proc.names) if _name_matches(name, names)), None)
 
 
 def _system_unit(proc: ProcessInfo) -> str | None:
@@ -159,11 +148,9 @@ def _infrastructure(proc: ProcessInfo) -> str | None:
         return f"pid {proc.pid} is init or kthreadd"
     if proc.kernel_thread:
         return "kernel thread"
-    name = _trusted_name(proc, FLOOR_PROCESS_NAMES)
-    if name is not None:
+    if (name := _trusted_name(proc, FLOOR_PROCESS_NAMES)) is not None:
         return f"infrastructure process {name} (root-owned {proc.exe})"
-    unit = _system_unit(proc)
-    if unit is not None:
+    if (unit := _system_unit(proc)) is not None:
         return f"infrastructure unit {unit}"
     if gpuwatchd_worker(proc):
         return "the NVML worker of a gpuwatchd command run as root"
@@ -191,8 +178,8 @@ def unverified_infrastructure(proc: ProcessInfo) -> str | None:
     infrastructure name or unit, and whether that is true cannot be read. None otherwise."""
     if is_infrastructure(proc):
         return None
-    if claims_infrastructure(proc.names) and trusted_identity(proc) is None:
-        claimed = sorted(n for n in proc.names if _name_matches(n, FLOOR_PROCESS_NAMES))
+    claimed = sorted(n for n in proc.names if _name_matches(n, FLOOR_PROCESS_NAMES))
+    if claimed and trusted_identity(proc) is None:
         return f"goes by {claimed[0]!r}, but whether it is that program cannot be read"
     cgroup = proc.cgroup
     placed = None if cgroup is None else _in_unit(cgroup, FLOOR_UNIT_PATTERNS)
@@ -217,21 +204,16 @@ def live_holder(
     minor: int | None,
     self_pids: frozenset[int],
 ) -> str | None:
-    """Why GPU ``minor`` has a live holder in this snapshot (plan's reset gate), or None.
-    Infrastructure does not count (the reset procedure stops it); anything unknown does."""
+    """Why GPU ``minor`` has a live holder (infrastructure aside) or an unknown one, or None."""
     if minor is None:
         return "GPU minor number unknown, holders cannot be checked"
-    if holders.unreadable - self_pids:
-        return f"fds/maps of {len(holders.unreadable - self_pids)} process(es) unreadable"
+    if unreadable := holders.unreadable - self_pids:
+        return f"fds/maps of {len(unreadable)} process(es) unreadable"
     for holding in holders.holders_of(minor):
-        if holding.pid in self_pids:
-            continue
         proc = processes.get(holding.pid)
-        if proc is None:
-            return f"pid {holding.pid} holds the GPU (process unknown)"
-        if is_infrastructure(proc):
+        if holding.pid in self_pids or (proc is not None and is_infrastructure(proc)):
             continue
-        return f"pid {holding.pid} holds the GPU"
+        return f"pid {holding.pid} holds the GPU" + (" (process unknown)" if proc is None else "")
     return None
 
 

@@ -211,12 +211,6 @@ class _Builder:
         return tail
 
 
-@dataclass(frozen=True)
-class _Program:
-    states: tuple[_State, ...]
-    start: int
-
-
 def _holds(state: _State, text: str, pos: int) -> bool:
     where = state.where
     if where == "bos":
@@ -238,9 +232,10 @@ def _holds(state: _State, text: str, pos: int) -> bool:
     return (before != after) == (where == "b")
 
 
-def _close(program: _Program, seeds: list[int], text: str, pos: int) -> tuple[list[int], bool]:
+def _close(
+    states: tuple[_State, ...], seeds: list[int], text: str, pos: int
+) -> tuple[list[int], bool]:
     """The character states reachable from ``seeds`` without consuming, and whether MATCH is."""
-    states = program.states
     found: list[int] = []
     seen: set[int] = set()
     stack = list(reversed(seeds))
@@ -265,7 +260,8 @@ def _close(program: _Program, seeds: list[int], text: str, pos: int) -> tuple[li
 
 
 @functools.lru_cache(maxsize=256)
-def _program(pattern: str, flags: int) -> _Program:
+def _program(pattern: str, flags: int) -> tuple[tuple[_State, ...], int]:
+    """The automaton's states, and the one it starts in."""
     try:
         parsed = _sre_parse.parse(pattern, flags)
     except (re.error, RecursionError, OverflowError) as err:
@@ -275,7 +271,7 @@ def _program(pattern: str, flags: int) -> _Program:
         start = builder.sequence(list(parsed), 0, flags)
     except RecursionError:
         raise NotLinear("nested too deeply") from None
-    return _Program(tuple(builder.states), start)
+    return tuple(builder.states), start
 
 
 def check_linear(pattern: re.Pattern[str]) -> None:
@@ -285,16 +281,15 @@ def check_linear(pattern: re.Pattern[str]) -> None:
 
 @functools.lru_cache(maxsize=1024)
 def _search(pattern: str, flags: int, text: str) -> bool:
-    program = _program(pattern, flags)
+    states, start = _program(pattern, flags)
     current: list[int] = []
     for pos in range(len(text) + 1):
-        current, matched = _close(program, [*current, program.start], text, pos)
+        current, matched = _close(states, [*current, start], text, pos)
         if matched:
             return True
         if pos == len(text):
             break
         ch = text[pos]
-        states = program.states
         current = [
             states[index].out
             for index in current

@@ -14,7 +14,6 @@ from types import MappingProxyType
 from gpuwatchd.core.model import MIB, FindingKind
 from gpuwatchd.core.paths import DEFAULT_STATE_DIR
 
-DEFAULT_RESET_COMMAND = ("nvidia-smi", "--gpu-reset", "-i", "{uuid}")
 # Re-create one MIG GPU instance in place (decide/mig/recovery.py): destroy its compute and GPU
 # instance, create it again with the same profile and placement, with its default CI (-C).
 DEFAULT_MIG_RECOVERY_COMMANDS: tuple[tuple[str, ...], ...] = (
@@ -156,7 +155,7 @@ class ResetPolicy:
     """When and how a GPU is reset (docs/design-notes.md §7)."""
 
     enabled: bool = True
-    command: tuple[str, ...] = DEFAULT_RESET_COMMAND
+    command: tuple[str, ...] = ("nvidia-smi", "--gpu-reset", "-i", "{uuid}")
     confirm_for: float = 600.0
     timeout: float = 120.0
     drain: tuple[Hook, ...] = ()

@@ -43,8 +43,6 @@ def _filters_match(rule: Rule, process: ProcessInfo | None) -> bool:
         return True
     if process is None:
         return False
-    if rule.users and not _glob_any(process.user, rule.users):
-        return False
     if rule.commands:
         if process.cmdline is None:
             return False
@@ -53,11 +51,13 @@ def _filters_match(rule: Rule, process: ProcessInfo | None) -> bool:
         if not any(command_search(p, joined) for p in rule.commands):
             return False
     cgroup = process.cgroup
-    if rule.cgroups and not _glob_any(None if cgroup is None else cgroup.path, rule.cgroups):
-        return False
-    if rule.units and not _glob_any(None if cgroup is None else cgroup.systemd_unit, rule.units):
-        return False
-    return not (rule.jobs and not _glob_any(None if cgroup is None else cgroup.job_key, rule.jobs))
+    globbed = (
+        (rule.users, process.user),
+        (rule.cgroups, None if cgroup is None else cgroup.path),
+        (rule.units, None if cgroup is None else cgroup.systemd_unit),
+        (rule.jobs, None if cgroup is None else cgroup.job_key),
+    )
+    return all(_glob_any(value, globs) for globs, value in globbed if globs)
 
 
 def gpu_protected(gpu_uuid: str | None, gpu: GpuInfo | None, policy: Policy) -> str | None:
@@ -72,10 +72,7 @@ def gpu_protected(gpu_uuid: str | None, gpu: GpuInfo | None, policy: Policy) -> 
 
 
 def gpu_by_uuid(snapshot: Snapshot, uuid: str | None) -> GpuInfo | None:
-    for gpu in snapshot.nvml.gpus:
-        if gpu.uuid == uuid:
-            return gpu
-    return None
+    return next((gpu for gpu in snapshot.nvml.gpus if gpu.uuid == uuid), None)
 
 
 def _floor_reason(
@@ -85,12 +82,10 @@ def _floor_reason(
         return "the daemon itself"
     if process.pid in self_ancestors:
         return "an ancestor of the daemon"
-    infra = infrastructure(process)
-    if infra is not None:
-        return infra
-    unverified = unverified_infrastructure(process)
-    if unverified is not None:
-        return unverified  # unknown never leads to a kill
+    # An unverified claim too: unknown never leads to a kill.
+    floor = infrastructure(process) or unverified_infrastructure(process)
+    if floor is not None:
+        return floor
     holding = snapshot.holders.holdings.get(process.pid)
     uvm = finding.evidence.get("uvm")
     if uvm is False or (holding is not None and not holding.uvm):
@@ -143,10 +138,7 @@ def _process_protect_checks(process: ProcessInfo, policy: Policy) -> Iterator[tu
 def protect_match(process: ProcessInfo, policy: Policy) -> str | None:
     """What in ``protect`` (commands, users, units, cgroups) names ``process``, or None: only a
     positive match (an unknown fact excuses no dirt; :func:`refusal` refuses for it)."""
-    for matched, why in _process_protect_checks(process, policy):
-        if matched:
-            return why
-    return None
+    return next((why for matched, why in _process_protect_checks(process, policy) if matched), None)
 
 
 def protect_refusal(process: ProcessInfo, policy: Policy) -> str | None:
@@ -158,8 +150,7 @@ def protect_refusal(process: ProcessInfo, policy: Policy) -> str | None:
 def _protect_reason(
     process: ProcessInfo, finding: Finding, snapshot: Snapshot, policy: Policy
 ) -> str | None:
-    refused = protect_refusal(process, policy)  # a match, or an unknown fact
-    if refused is not None:
+    if (refused := protect_refusal(process, policy)) is not None:  # a match, or unknown
         return refused
     if policy.protect.gpus:
         uuids: list[str | None] = [finding.gpu]
@@ -187,14 +178,11 @@ def refusal(
     lowers it), "spare: …", "protect: …" or "identity: …"; None when it may."""
     if process is None:
         return "identity: process not in the snapshot"
-    floor = _floor_reason(process, finding, snapshot, self_ancestors)
-    if floor is not None:
+    if (floor := _floor_reason(process, finding, snapshot, self_ancestors)) is not None:
         return f"floor: {floor}"
-    spared = spare_reason(process, snapshot)
-    if spared is not None:
+    if (spared := spare_reason(process, snapshot)) is not None:
         return f"spare: {spared}"
-    protect = _protect_reason(process, finding, snapshot, policy)
-    if protect is not None:
+    if (protect := _protect_reason(process, finding, snapshot, policy)) is not None:
         return f"protect: {protect}"
     if process.start_ticks is None or finding.start_ticks is None:
         return "identity: start time unknown"

@@ -9,17 +9,10 @@ In detail: docs/internals.md, section `gpuwatchd.decide.verdict`.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from gpuwatchd.core.model import (
-    DeviceHolding,
-    Finding,
-    FindingKind,
-    GpuInfo,
-    ProcessInfo,
-    Snapshot,
-)
+from gpuwatchd.core.model import DeviceHolding, Finding, FindingKind, GpuInfo, Snapshot
 from gpuwatchd.core.vocabulary import Cleanliness, HolderRoleName, LeftoverName
 from gpuwatchd.decide import kinds
 from gpuwatchd.decide.assess.baselines import compared_figure
@@ -134,6 +127,7 @@ class _Judge:
         self.snapshot = snapshot
         self.assessment = assessment
         self.policy = policy
+        self.processes = snapshot.processes
         self.gpus = sorted(snapshot.nvml.gpus, key=lambda g: (g.index, g.uuid))
         # By whole GPU: a MIG instance's holders are its GPU's, as its findings are.
         self.gpu_roles = [(self.whole(role.gpu), role) for role in assessment.roles]
@@ -143,10 +137,11 @@ class _Judge:
         self.reasons: dict[str, list[Reason]] = {g.uuid: [] for g in self.gpus}
         self.excused: dict[tuple[str, int], Reason] = {}
         self.notes: dict[str, list[str]] = {g.uuid: [] for g in self.gpus}
-        self._holders_by_minor: dict[int | None, list[tuple[int, DeviceHolding]]] | None = None
-
-    def process(self, pid: int) -> ProcessInfo | None:
-        return self.snapshot.processes.get(pid)
+        # The holdings by GPU minor, and those of nvidiactl/nvidia-uvm only (None), indexed once.
+        self.holdings: dict[int | None, list[tuple[int, DeviceHolding]]] = {}
+        for pid, holding in sorted(snapshot.holders.holdings.items()):
+            for key in holding.gpu_minors or ((None,) if holding.ctl or holding.uvm else ()):
+                self.holdings.setdefault(key, []).append((pid, holding))
 
     def role(self, uuid: str, pid: int) -> HolderRole | None:
         return self.roles.get((uuid, pid)) or self.roles.get((NODE, pid))
@@ -155,11 +150,10 @@ class _Judge:
         """Why ``finding`` is not dirt on GPU ``uuid`` (a management client or infrastructure,
         or a process ``protect`` names), as the reset blocker it still is. None: it is dirt."""
         pid = finding.pid
-        if pid is None:
-            # About the GPU itself: no process to excuse, so it is dirt.
+        if pid is None:  # about the GPU itself: no process to excuse, so it is dirt
             return None
         role = self.role(uuid, pid)
-        proc = self.process(pid)
+        proc = self.processes.get(pid)
         name = proc.comm if proc is not None and proc.comm else "?"
         if (role is not None and role.role is HolderRoleName.MANAGEMENT) or (
             finding.evidence.get("nvml_only") is True
@@ -241,13 +235,12 @@ class _Judge:
                 reasons.append(unread)
 
     def unreadable(self) -> Reason | None:
-        """The processes (infrastructure aside) whose fds or maps could not be read: what they
-        hold is unknown, on every GPU."""
+        """The processes (infrastructure aside) whose fds or maps could not be read, if any."""
         holders = self.snapshot.holders
         pids = sorted(
             pid
             for pid in holders.unreadable - self.snapshot.self_pids
-            if (proc := self.process(pid)) is None or not is_infrastructure(proc)
+            if (proc := self.processes.get(pid)) is None or not is_infrastructure(proc)
         )
         if not pids:
             return None
@@ -258,61 +251,55 @@ class _Judge:
         text = f"the fds/maps of PID(s) {shown}{more} could not be read{why}"
         return Reason(LeftoverName.UNREADABLE, pids[0], f"{text}: what they hold is unknown")
 
-    def add_memory(self, gpu: GpuInfo) -> None:
-        """``leftover_memory``: allocated memory above the idle baseline plus the margin that
-        no live process accounts for (decide/assess/baselines.py's figure and baseline)."""
+    def add_memory(self, gpu: GpuInfo) -> str | None:
+        """Adds ``leftover_memory``: allocated memory above the idle baseline plus the margin
+        that no live process accounts for. Returns why memory could not be judged, or None."""
         found = {r.kind for r in self.reasons[gpu.uuid]}
         said = {k.value for k in kinds.MEMORY | kinds.LISTING}
         if gpu.lost or gpu.processes is None or found & said:
-            return
-        notes = self.notes[gpu.uuid]
+            return None
         coherent = gpu.coherent_memory
-        if coherent is not False or gpu.mig_enabled:
-            if coherent is None:
-                why = "coherent memory unknown (its NUMA node could not be read)"
-            else:
-                why = "coherent memory" if coherent else "MIG enabled"
-            notes.append(f"memory not judged: {why}")
-            return
+        if coherent is None:
+            return "coherent memory unknown (its NUMA node could not be read)"
+        if coherent or gpu.mig_enabled:
+            return "coherent memory" if coherent else "MIG enabled"
         detection = self.policy.detection
         compared = compared_figure(gpu, self.assessment.state.baselines, detection.default_baseline)
         if isinstance(compared, str):
-            notes.append(f"memory not judged: {compared}")
-            return
+            return compared
         value, baseline, learned = compared
         live = [
             entry
             for entry in gpu.processes
             if entry.pid not in self.snapshot.self_pids
-            and (proc := self.process(entry.pid)) is not None
+            and (proc := self.processes.get(entry.pid)) is not None
             and not proc.is_zombie
         ]
         figures = [entry.used_memory for entry in live]
         if any(f is None for f in figures):
-            notes.append("memory not judged: a live owner's memory figure is unknown")
-            return
+            return "a live owner's memory figure is unknown"
         accounted = sum(f for f in figures if f is not None)
         margin = detection.unaccounted_margin if live else detection.ghost_margin
         excess = value - accounted - baseline
         if excess <= margin:
-            return
+            return None
         owners = f", {mib(accounted)} of it live processes'" if live else ""
         which = "learned" if learned else "default"
         text = f"{mib(value)} allocated{owners}: {mib(excess)} above its {which} idle baseline"
         text += " that no live process accounts for"
         self.reasons[gpu.uuid].append(Reason(LeftoverName.LEFTOVER_MEMORY, None, text))
+        return None
 
     def reset_blockers(self, gpu: GpuInfo) -> list[Reason]:
-        """Holders of the GPU's device file (and of nvidiactl/nvidia-uvm only) that are not
-        dirt here: the driver, or gpuwatchd's final scan, would refuse a reset while they hold
-        it. Infrastructure is left out: the reset procedure itself stops it."""
+        """Holders of the GPU's device file (and of nvidiactl/nvidia-uvm only) that are not dirt
+        here, infrastructure aside (the reset procedure itself stops it)."""
         dirty = {r.pid for r in self.reasons[gpu.uuid] if r.pid is not None}
         found: list[Reason] = []
         for pid, holding in self._holders_of(gpu.minor):
             node_only = not holding.gpu_minors  # _holders_of lists those of nvidiactl/-uvm only
             if pid in self.snapshot.self_pids or pid in dirty:
                 continue
-            proc = self.process(pid)
+            proc = self.processes.get(pid)
             if proc is not None and is_infrastructure(proc):
                 continue
             excused = self.excused.get((gpu.uuid, pid))
@@ -329,18 +316,11 @@ class _Judge:
         return found
 
     def _holders_of(self, minor: int | None) -> list[tuple[int, DeviceHolding]]:
-        """The holdings on GPU ``minor`` and those of nvidiactl/nvidia-uvm only, by PID: the
-        only ones :meth:`reset_blockers` can list (indexed once, not walked per GPU)."""
-        index = self._holders_by_minor
-        if index is None:
-            index = {}
-            for pid, holding in sorted(self.snapshot.holders.holdings.items()):
-                for key in holding.gpu_minors or ((None,) if holding.ctl or holding.uvm else ()):
-                    index.setdefault(key, []).append((pid, holding))
-            self._holders_by_minor = index
+        """The holdings on GPU ``minor`` and those of nvidiactl/nvidia-uvm only, by PID."""
+        node_only = self.holdings.get(None, [])
         if minor is None:
-            return index.get(None, [])
-        return sorted(index.get(minor, []) + index.get(None, []), key=lambda item: item[0])
+            return node_only
+        return sorted(self.holdings.get(minor, []) + node_only, key=lambda item: item[0])
 
     def verdict(self, unfinished: Mapping[str, str]) -> NodeVerdict:
         nvml = self.snapshot.nvml
@@ -356,7 +336,8 @@ class _Judge:
                 self.reasons[uuid].append(Reason(LeftoverName.MIG_UNFINISHED.value, None, why))
         self.add_unknowns()
         for gpu in self.gpus:
-            self.add_memory(gpu)
+            if (unjudged := self.add_memory(gpu)) is not None:
+                self.notes[gpu.uuid].append(f"memory not judged: {unjudged}")
         result = []
         blind = self.snapshot.host_namespaces is not True
         for gpu in self.gpus:
@@ -399,15 +380,12 @@ def judge(
 # --- run --once: done, wait, or nothing more will change ---------------------------------------
 
 
-class OnceStep(str, enum.Enum):
+class OnceStep(enum.Enum):
     """Where ``run --once`` stands after a poll (:func:`once_progress`)."""
 
     DONE = "done"  # nothing under way, every GPU clean: exit 0
     WAIT = "wait"  # something is under way, or may still settle: poll again (until --timeout)
     STUCK = "stuck"  # nothing under way, and what is left will not change by waiting: exit 75
-
-    def __str__(self) -> str:
-        return self.value
 
 
 def once_progress(
@@ -442,12 +420,6 @@ def _summary(gpu: GpuVerdict) -> str:
         r.kind + (f" pid {r.pid}" if r.pid is not None else "") for r in gpu.reasons
     )
     return f"GPU {gpu.index} {gpu.uuid}: {reasons or gpu.state.value}"
-
-
-def not_clean(verdict: NodeVerdict, uuids: Iterable[str] | None = None) -> list[GpuVerdict]:
-    """The GPUs (all, or those named) that are not clean."""
-    wanted = None if uuids is None else set(uuids)
-    return [g for g in verdict.gpus if not g.clean and (wanted is None or g.uuid in wanted)]
 
 
 def _role_label(role: HolderRole | None, node_only: bool) -> str:

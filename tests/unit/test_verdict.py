@@ -34,7 +34,6 @@ from gpuwatchd.decide.verdict import (
     cannot_tell,
     judge,
     lost_state,
-    not_clean,
     once_progress,
     unread_verdict,
 )
@@ -857,14 +856,6 @@ def test_an_nvml_only_client_or_infrastructure_is_never_dirt_whatever_the_findin
     )
     verdict = verdict_of(builder.build(), extra=extra)
     assert states(verdict) == ["clean", "clean"]
-
-
-def test_not_clean_names_the_gpus_that_are_not_clean_among_those_asked() -> None:
-    gpus = (gpu_verdict(0, "dead_process"), gpu_verdict(1), gpu_verdict(2, "zombie"))
-    verdict = NodeVerdict(gpus)
-    assert [g.index for g in not_clean(verdict)] == [0, 2]
-    assert [g.index for g in not_clean(verdict, [gpu_uuid(2), gpu_uuid(1)])] == [2]
-    assert not_clean(verdict, []) == []
 
 
 @pytest.mark.parametrize(

@@ -126,13 +126,6 @@ def _step_procs(job_path: str) -> list[int] | None:
     return pids
 
 
-def slurm_job_ended(job_dir: str) -> bool | None:
-    """True when no step of the Slurm job at ``job_dir`` (a filesystem path) has a live
-    slurmstepd; None (unknown) when the job's cgroup cannot be read or has no step at all."""
-    pids = _step_procs(job_dir)
-    return None if pids is None else not pids
-
-
 def judge_jobs(
     processes: Iterable[ProcessInfo],
     cgroup_root: str | None,

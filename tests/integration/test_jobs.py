@@ -33,7 +33,8 @@ def proc(pid: int, path: str, job: str | None) -> ProcessInfo:
 
 
 def ended_dirs(processes: list[ProcessInfo], root: Path | None) -> frozenset[str]:
-    return judge_jobs(processes, None if root is None else str(root)).ended_dirs
+    root_dir = None if root is None else str(root)
+    return judge_jobs(processes, root_dir, lambda pid: (None, None)).ended_dirs
 
 
 @pytest.mark.parametrize(
@@ -63,7 +64,8 @@ def test_a_job_ended_only_when_no_step_has_a_live_slurmstepd(
 
 
 def test_missing_job_cgroup_is_unknown_not_ended(tmp_path: Path) -> None:
-    evidence = judge_jobs([proc(10, f"{SCOPE}/job_7/step_0/user/task_0", "7")], str(tmp_path))
+    processes = [proc(10, f"{SCOPE}/job_7/step_0/user/task_0", "7")]
+    evidence = judge_jobs(processes, str(tmp_path), lambda pid: (None, None))
     assert evidence == JobEvidence()
 
 

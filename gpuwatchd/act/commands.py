@@ -124,11 +124,11 @@ class CommandScope:
             time.sleep(_TICK)
         return True
 
-    def cancel(self, wait: float = _KEEPER_MARGIN) -> int:
+    def cancel(self) -> int:
         """End every command of this scope, now and from now on: running ones and what
-        finished ones left running (their process trees get SIGKILL). Waits up to ``wait``
-        seconds for the lingering keepers; returns how many processes' trees it ended that
-        finished commands had left running."""
+        finished ones left running (their process trees get SIGKILL). Waits up to
+        ``_KEEPER_MARGIN`` seconds for the lingering keepers; returns how many processes' trees
+        it ended that finished commands had left running."""
         with self._lock:
             self.cancelled = True
             with contextlib.suppress(OSError):
@@ -136,7 +136,7 @@ class CommandScope:
             keepers = [p for p in self._lingering if p.poll() is None]
             for keeper in keepers:
                 _stop_keeper(keeper)
-        until = time.monotonic() + wait
+        until = time.monotonic() + _KEEPER_MARGIN
         for keeper in keepers:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 keeper.wait(max(0.0, until - time.monotonic()))

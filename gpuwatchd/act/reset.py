@@ -79,7 +79,6 @@ class Procedure:
     commands: Commands
     _: KW_ONLY
     dry_run: bool
-    hook_env: Mapping[str, str]
     runner: CommandRunner
     drained: bool = False  # the drain hooks ran already (a health reset drains first)
     fabric_wait: FabricWait | None = None
@@ -175,18 +174,15 @@ class Procedure:
             self.event(step, ResetStepStatus.WOULD_RUN, hooks=[list(h.argv) for h in hooks])
             return None
         instance = self.target.recovery  # a resume's too: read back from its record
-        env = {
-            **self.hook_env,
-            **hook_environment(
-                event,
-                gpu_uuid=self.target.uuid,
-                gpu_pci_bus_id=self.target.pci_bus_id,
-                gpu_minor=self.target.minor,
-                mig_instance=None if instance is None else instance.mig_uuid,
-                mig_gi=None if instance is None else instance.gi,
-                **extra,
-            ),
-        }
+        env = hook_environment(
+            event,
+            gpu_uuid=self.target.uuid,
+            gpu_pci_bus_id=self.target.pci_bus_id,
+            gpu_minor=self.target.minor,
+            mig_instance=None if instance is None else instance.mig_uuid,
+            mig_gi=None if instance is None else instance.gi,
+            **extra,
+        )
         # filled in already: the hooks recorded, or to be
         stop_on_failure = step is not ResetStep.AFTER_HOOKS
         results = run_hooks(hooks, env=env, stop_on_failure=stop_on_failure, runner=self.runner)
@@ -320,15 +316,13 @@ def perform_reset(
     env: ResetEnvironment,
     *,
     dry_run: bool,
-    hook_env: Mapping[str, str] = EMPTY_ENV,
     runner: CommandRunner = run_command,
     drained: bool = False,
     fabric_wait: FabricWait | None = None,
 ) -> ResetOutcome:
     """Run the whole procedure for ``target``; every way it ends is a :class:`ResetOutcome`,
     logged as ``EventName.RESET_FINISHED``. ``drained``: the caller ran the drain hooks already.
-    ``fabric_wait``: for a ``target.fabric`` GPU (None: its reset counts as failed).
-    ``hook_env`` adds to each hook's environment (the ``GPUWATCHD_*`` ones win)."""
+    ``fabric_wait``: for a ``target.fabric`` GPU (None: its reset counts as failed)."""
     prepared = prepare_commands(target, reset)
     if isinstance(prepared, str):
         outcome = ResetOutcome(ResetResult.REFUSED, ResetStep.DRAIN, prepared, False, None, ())
@@ -339,7 +333,6 @@ def perform_reset(
         env,
         prepared,
         dry_run=dry_run,
-        hook_env=hook_env,
         runner=runner,
         drained=drained,
         fabric_wait=fabric_wait,

@@ -9,7 +9,7 @@ import itertools
 from collections.abc import Callable, Mapping
 
 from gpuwatchd.act.commands import run_command
-from gpuwatchd.act.reset import EMPTY_ENV, Procedure, check_after_reset, half_done, run_recovery
+from gpuwatchd.act.reset import Procedure, check_after_reset, half_done, run_recovery
 from gpuwatchd.act.reset_target import (
     UNRECORDED,
     CommandRunner,
@@ -127,7 +127,7 @@ def resume_interrupted(
         return ResetOutcome(ResetResult.FAILED, ResetStep.DONE, read, False, None, ())
     step, target, commands = read
 
-    proc = Procedure(target, reset, env, commands, dry_run=False, hook_env=EMPTY_ENV, runner=runner)
+    proc = Procedure(target, reset, env, commands, dry_run=False, runner=runner)
     _progress_from(proc, record)
     proc.fabric_wait = fabric_wait
     env.emit(

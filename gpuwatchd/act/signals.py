@@ -161,10 +161,6 @@ class Signaller:
         """The kept pidfds, for a caller that polls them in its own loop."""
         return list(self._kept.values())
 
-    def watched(self) -> list[ProcessIdentity]:
-        """The identities whose pidfds are kept."""
-        return sorted(self._kept)
-
     def __enter__(self) -> Signaller:
         return self
 

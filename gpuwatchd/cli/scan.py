@@ -155,9 +155,7 @@ class RunningDaemon:
         return frozenset({self.pid, *self.workers})
 
 
-def running_daemon(
-    policy: Policy, state_dir: StateDir | None, procfs: ProcFS
-) -> RunningDaemon | None:
+def running_daemon(state_dir: StateDir | None, procfs: ProcFS) -> RunningDaemon | None:
     """The daemon (:func:`lock_holder`, run by root or this user) and its NVML workers (its
     direct children of that user running the worker file) when one runs now beside this
     command, so that its worker is no ``hidden_holder`` here either; else None."""
@@ -221,7 +219,7 @@ def _scan_host(
     )
     view, published = None, None
     if served is None:
-        daemon = running_daemon(policy, state_dir, procfs)
+        daemon = running_daemon(state_dir, procfs)
         # Its processes are the daemon's own, never holders (its NVML worker holds them all).
         daemon_pids = daemon.pids if daemon is not None else frozenset()
     else:

@@ -126,21 +126,13 @@ def _step_procs(job_path: str) -> list[int] | None:
     return pids
 
 
-def slurm_job_ended(job_dir: str) -> bool | None:
-    """True when no step of the Slurm job at ``job_dir`` (a filesystem path) has a live
-    slurmstepd; None (unknown) when the job's cgroup cannot be read or has no step at all."""
-    pids = _step_procs(job_dir)
-    return None if pids is None else not pids
-
-
 def judge_jobs(
     processes: Iterable[ProcessInfo],
     cgroup_root: str | None,
-    identify: StepdIdentity | None = None,
+    identify: StepdIdentity,
 ) -> JobEvidence:
     """The job directories of these processes that have ended, and the jobs' live stepds;
-    ``identify``: a PID's start ticks and whether it runs root's trusted program (None: every
-    PID of a step's ``slurm`` cgroup counts as its slurmstepd, unknown start)."""
+    ``identify``: a PID's start ticks and whether it runs root's trusted program."""
     if cgroup_root is None:
         return JobEvidence()
     candidates: dict[str, str] = {}  # ended-looking job dir -> job key
@@ -162,7 +154,7 @@ def judge_jobs(
         if pids is None:
             continue
         for pid in pids:
-            known = identify(pid) if identify is not None else (None, None)
+            known = identify(pid)
             if known is None:
                 continue  # gone since the listing
             ticks, trusted = known

@@ -169,17 +169,6 @@ class NvmlClient:
         procs = (self._proc, self._hung)
         return frozenset(p.pid for p in procs if p is not None and p.poll() is None)
 
-    @property
-    def hung_worker_pid(self) -> int | None:
-        """The worker that ignored SIGKILL after a missed deadline and still lives, if any."""
-        self._reap_hung()
-        return None if self._hung is None else self._hung.pid
-
-    @property
-    def memory_v1_gpus(self) -> frozenset[str]:
-        """UUIDs of GPUs read through the v1 memory query (allocated memory unknown)."""
-        return frozenset(self._v1_logged)
-
     def prefetch(self) -> None:
         """Send the next ``read`` request without waiting, so the worker's start-up overlaps a
         short command's own; :meth:`read` collects the reply and reports a failed start."""

@@ -320,11 +320,9 @@ def _read_gpu_id(node: Node) -> str:
         raise node.error(str(err)) from None
 
 
-def check_argv(
-    raw: object, allowed: Sequence[str], *, one_gpu: bool, literal_gpu: bool = False
-) -> tuple[str, ...]:
+def check_argv(raw: object, allowed: Sequence[str], *, one_gpu: bool) -> tuple[str, ...]:
     """``raw`` as an argv tuple checked by :mod:`gpuwatchd.decide.argv`: a hook's, or
-    (``one_gpu``) one that names exactly one GPU, through a placeholder unless ``literal_gpu``.
+    (``one_gpu``) one that names exactly one GPU, through a placeholder.
     ConfigError (without a location) otherwise, with a "did you mean" for a placeholder."""
     if isinstance(raw, str) or not isinstance(raw, (list, tuple)):
         raise ConfigError(
@@ -340,7 +338,7 @@ def check_argv(
             raise ConfigError(f"argument {shown(arg)} is longer than {MAX_STRING} characters")
     try:
         if one_gpu:
-            check_one_gpu(tuple(raw), allowed, require_placeholder=not literal_gpu)
+            check_one_gpu(tuple(raw), allowed)
         else:
             check_hook_command(tuple(raw), allowed)
     except ArgvError as err:

@@ -23,7 +23,6 @@ from gpuwatchd.config.keys import (
     SECTIONS,
     Nested,
     Section,
-    check_argv,
     items_of,
     kind_of,
     normalize_gpu_id,
@@ -46,7 +45,6 @@ from gpuwatchd.config.yamlsrc import (
 from gpuwatchd.core.model import FindingKind
 from gpuwatchd.core.paths import DEFAULT_CONFIG_PATH
 from gpuwatchd.decide import kinds
-from gpuwatchd.decide.argv import GPU_PLACEHOLDERS
 from gpuwatchd.decide.plan.monitors import UNIT_NAME
 from gpuwatchd.decide.policy import Policy, Step, default_rules
 
@@ -64,7 +62,6 @@ __all__ = [
     "parse_size",
     "policy_data",
     "render_policy",
-    "validate_reset_command",
 ]
 
 # ``rules:`` alone in a drop-in: rules merge by name, so neither "none" nor "no change" is safe
@@ -79,15 +76,6 @@ _HEADER_ROOM = 1024  # characters a saver may write above a rendered policy (sta
 _HOMES = tuple(
     key.name for key in SECTIONS[""].keys if isinstance(key.value, Nested) and not key.value.many
 )
-
-
-def validate_reset_command(argv: Sequence[str], *, require_placeholder: bool = False) -> None:
-    """Raise ConfigError unless ``argv`` names exactly one GPU, by UUID or PCI bus id
-    (:func:`gpuwatchd.decide.argv.check_one_gpu`), literally unless ``require_placeholder``."""
-    try:
-        check_argv(argv, GPU_PLACEHOLDERS, one_gpu=True, literal_gpu=not require_placeholder)
-    except ConfigError as err:
-        raise ConfigError(err.message, key="reset.command") from None
 
 
 # --- merging drop-ins -------------------------------------------------------------------------

@@ -165,22 +165,3 @@ def as_map(value: object) -> Mapping[str, object]:
 
 def as_list(value: object) -> Sequence[object]:
     return value if isinstance(value, list) else []
-
-
-class Value:
-    """Typed, lenient access along a path of a decoded JSON value: a missing or malformed part
-    is None (unknown), never an exception. ``Value(doc)["plan"]["seen"].mapping()``."""
-
-    __slots__ = ("raw",)
-
-    def __init__(self, raw: object) -> None:
-        self.raw = raw
-
-    def __getitem__(self, key: str) -> Value:
-        return Value(self.raw.get(key) if isinstance(self.raw, dict) else None)
-
-    def number(self, key: str) -> float | None:
-        return as_number(self[key].raw)
-
-    def mapping(self) -> Mapping[str, object]:
-        return self.raw if isinstance(self.raw, dict) else {}

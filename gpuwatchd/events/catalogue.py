@@ -593,10 +593,10 @@ def render(name: str, fields: Mapping[str, object], namer: Namer | None = None) 
 _NAMES = frozenset(member.value for member in EventName)
 
 
-def notification(fields: Mapping[str, object], namer: Namer | None = None) -> str:
+def notification(fields: Mapping[str, object]) -> str:
     """The one line of an ``on_action`` notification (``GPUWATCHD_MESSAGE``): what was done,
     to whom, and how it ended."""
-    s = Said(fields, namer if namer is not None else JournalNamer())
+    s = Said(fields, JournalNamer())
     outcome = str(fields.get("outcome"))
     owner = f" of user {s('user')}" if s.has("user") else ""
     why = f" ({s('why')})" if s.has("why") else ""

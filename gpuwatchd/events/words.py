@@ -124,8 +124,8 @@ class Said:
             return short("; ".join(str(v) for v in value))
         return self(key)
 
-    def finding(self, key: str = "finding") -> str:
-        return finding_label(self.f.get(key), self.names)
+    def finding(self) -> str:
+        return finding_label(self.f.get("finding"), self.names)
 
     def fill(self, template: str, **pieces: str) -> str:
         """``template`` with each ``{piece}`` filled in: one of ``pieces``, a name a method

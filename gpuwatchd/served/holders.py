@@ -69,10 +69,10 @@ class HolderView:
             held_minors, max(len(found), len(dead_listed)) > MAX_HOLDERS,
         )  # fmt: skip
 
-    def document(self, *, clean: bool = True) -> dict[str, object]:
+    def document(self) -> dict[str, object]:
         return {
             "watch_fd": self.watch_fd,
-            "clean": clean,
+            "clean": True,
             "cut": self.cut,
             "version": VERSION,
             "boot_id": self.boot_id,

@@ -10,7 +10,7 @@ import os
 import time
 
 from gpuwatchd.config.files import MAX_DROP_INS, check_config_permissions, read_leading_files
-from gpuwatchd.config.peek import conf_d, drop_in_names
+from gpuwatchd.config.peek import drop_in_paths
 from gpuwatchd.config.schema import default_policy, parse_policy_documents, render_policy
 from gpuwatchd.config.yamlsrc import MAX_DOCUMENT_BYTES, ConfigError
 from gpuwatchd.decide.policy import Policy
@@ -54,12 +54,8 @@ def _state_dir_hint(config_path: str) -> str:
     """Where the saved policy may be (docs/internals.md): the ``state_dir`` of the longest
     leading run of the configured files that loads, else the built-in default. A drop-in that
     cannot be read (its name, its kind, its bytes: config/files.read_leading_files) ends the run."""
-    folder = conf_d(config_path)
-    try:
-        names = drop_in_names(folder)[:MAX_DROP_INS]
-    except OSError:
-        names = []
-    docs, _problem = read_leading_files([config_path, *(os.path.join(folder, n) for n in names)])
+    drop_ins = drop_in_paths(config_path)[:MAX_DROP_INS]
+    docs, _problem = read_leading_files([config_path, *drop_ins])
     try:
         if os.geteuid() == 0:
             check_config_permissions(config_path, [path for path, _text in docs[1:]])

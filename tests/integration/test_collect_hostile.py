@@ -363,7 +363,7 @@ def test_worker_surviving_sigkill_is_the_only_one_left_and_a_new_one_starts_afte
         assert wedged.available
         assert took < 2.0  # the deadline plus the reaping grace, never the 60 s hang
         (hung,) = spawner.started
-        assert client.hung_worker_pid == hung.pid
+        assert client.worker_pids == {hung.pid}
         assert hung.poll() is None
         assert [e["log_level"] for e in _events(logs, EventName.NVML_WORKER_HUNG)] == ["critical"]
         assert open_device_files(hung.pid, fake_nvml.devices_dir) == {"nvidiactl", "nvidia0"}
@@ -393,7 +393,6 @@ def test_worker_surviving_sigkill_is_the_only_one_left_and_a_new_one_starts_afte
         assert recovered.available
         assert not recovered.wedged
         assert len(spawner.started) == 2
-        assert client.hung_worker_pid is None
         assert client.worker_pids == {spawner.started[1].pid}
         assert _events(logs, EventName.NVML_HUNG_WORKER_EXITED)
     finally:
@@ -437,8 +436,7 @@ def test_worker_stuck_in_the_kernel_for_real_reads_wedged_and_is_replaced_after_
         wedged, took, logs = _timed_read(client)
         assert wedged.wedged
         assert took < 3.0
-        pid = client.hung_worker_pid
-        assert pid is not None
+        (pid,) = client.worker_pids
         assert _state_of(pid) == "D"
         assert hanging_fuse.flushes >= 1
         assert _events(logs, EventName.NVML_WORKER_HUNG)
@@ -451,7 +449,7 @@ def test_worker_stuck_in_the_kernel_for_real_reads_wedged_and_is_replaced_after_
 
         hanging_fuse.release()  # the kernel call returns; the worker finishes dying
         deadline = time.monotonic() + 10
-        while client.hung_worker_pid is not None:
+        while client.worker_pids:
             assert time.monotonic() < deadline, f"pid {pid} still {_state_of(pid)}"
             time.sleep(0.05)
         recovered_flag.touch()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.collect.cgroups import classify_cgroup_path
-from gpuwatchd.collect.jobs import cgroup2_mount, judge_jobs, slurm_job_ended, trusted_job_dir
+from gpuwatchd.collect.jobs import JobEvidence, cgroup2_mount, judge_jobs, trusted_job_dir
 from gpuwatchd.core.model import ProcessInfo
 
 SCOPE = "/system.slice/slurmstepd.scope"
@@ -33,7 +33,8 @@ def proc(pid: int, path: str, job: str | None) -> ProcessInfo:
 
 
 def ended_dirs(processes: list[ProcessInfo], root: Path | None) -> frozenset[str]:
-    return judge_jobs(processes, None if root is None else str(root)).ended_dirs
+    root_dir = None if root is None else str(root)
+    return judge_jobs(processes, root_dir, lambda pid: (None, None)).ended_dirs
 
 
 @pytest.mark.parametrize(
@@ -47,16 +48,25 @@ def ended_dirs(processes: list[ProcessInfo], root: Path | None) -> frozenset[str
     ],
     ids=["stepd-alive", "extern-stepd-alive", "all-stepds-gone", "no-stepd-dir", "no-steps-yet"],
 )
-def test_slurm_job_ended_only_when_no_step_has_a_live_slurmstepd(
+def test_a_job_ended_only_when_no_step_has_a_live_slurmstepd(
     tmp_path: Path, steps: dict[str, str | None], expected: bool | None
 ) -> None:
+    """expected: True ended, False a live slurmstepd serves it, None unknown (neither)."""
     job_dir = make_job(tmp_path, 42, steps)
     job_dir.mkdir(parents=True, exist_ok=True)
-    assert slurm_job_ended(str(job_dir)) is expected
+    processes = [proc(10, f"{SCOPE}/job_42/step_0/user/task_0", "42")]
+    evidence = judge_jobs(processes, str(tmp_path), lambda pid: (pid, True))
+    ended = f"{SCOPE}/job_42" in evidence.ended_dirs
+    live = "slurm:42" in evidence.stepds
+    assert (ended, live) == {True: (True, False), False: (False, True), None: (False, False)}[
+        expected
+    ]
 
 
 def test_missing_job_cgroup_is_unknown_not_ended(tmp_path: Path) -> None:
-    assert slurm_job_ended(str(tmp_path / "job_7")) is None
+    processes = [proc(10, f"{SCOPE}/job_7/step_0/user/task_0", "7")]
+    evidence = judge_jobs(processes, str(tmp_path), lambda pid: (None, None))
+    assert evidence == JobEvidence()
 
 
 def test_judge_jobs_names_only_job_directories_known_to_have_ended(tmp_path: Path) -> None:

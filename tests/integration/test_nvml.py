@@ -217,7 +217,6 @@ def test_v1_memory_fallback_leaves_allocated_unknown_and_is_logged_once_per_gpu(
         assert reading.gpus[1].memory.api == "v2"
     fallbacks = [e for e in logs if e["event"] == "nvml.memory_v1_fallback"]
     assert [e["gpu"] for e in fallbacks] == [readings[0].gpus[0].uuid]
-    assert client.memory_v1_gpus == {readings[0].gpus[0].uuid}
 
 
 @pytest.mark.parametrize(
@@ -530,7 +529,6 @@ def test_hung_call_reads_as_wedged_within_the_deadline_and_recovers_after_backof
         assert [e["log_level"] for e in logs if e["event"] == "nvml.wedged"] == ["critical"]
         assert dead_worker[0] is not None
         assert not psutil.pid_exists(dead_worker[0])
-        assert client.hung_worker_pid is None
         assert client.worker_pids == frozenset()
 
         # During backoff nothing is started and the answer comes at once.

@@ -88,7 +88,7 @@ def test_the_lock_holder_and_its_worker_are_recognised(
     while state.lock_holder() is None:  # the stand-in takes the lock right after it starts
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    found = running_daemon(policy, state, procfs_for(policy))
+    found = running_daemon(state, procfs_for(policy))
     assert found is not None
     assert (found.pid, found.workers) == (pid, frozenset({worker}))
     assert other not in found.pids
@@ -135,8 +135,8 @@ def test_a_gpuwatchd_that_holds_no_lock_hides_nothing(tmp_path: Path, state: Sta
         state.write("state.json", json.dumps({"status": {"pid": proc.pid}}).encode())
         assert state.lock_holder() is None
         policy = Policy()
-        assert running_daemon(policy, state, procfs_for(policy)) is None
-        assert running_daemon(policy, None, procfs_for(policy)) is None
+        assert running_daemon(state, procfs_for(policy)) is None
+        assert running_daemon(None, procfs_for(policy)) is None
     finally:
         _stop(proc)
 
@@ -179,7 +179,7 @@ def test_a_holder_view_naming_another_process_as_the_daemon_hides_nothing(
         _forged_view(pid, [worker, other], policy),
     ):
         state.write(holder_view.VIEW_FILE, forged)
-        running = running_daemon(policy, state, procfs)
+        running = running_daemon(state, procfs)
         assert running is not None
         assert (running.pid, running.workers) == (pid, frozenset({worker}))
         assert other not in running.pids

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from gpuwatchd.core.checked import Value
+from gpuwatchd.core.checked import as_map
 from gpuwatchd.state.directory import AlreadyRunning
 from gpuwatchd.state.saved import StateStore, read_saved_state
 
@@ -182,7 +182,7 @@ def test_the_one_state_reader_types_what_it_finds_and_says_why_it_cannot(tmp_pat
     assert saved.found
     assert saved.problem is None
     assert (saved.data["boot_id"], saved.daemon_pid) == ("b1", 4242)
-    assert Value(saved.data)["plan"]["ladders"].mapping() == {}
+    assert as_map(saved.data["plan"]) == {"ladders": {}}
     assert saved.same_boot("b1")
     assert not saved.same_boot("b2")
     (tmp_path / "state.json").write_text('{"status": {"pid": -3}, "boot_id": 7}')

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from gpuwatchd.core.checked import Value
+from gpuwatchd.core.checked import as_map, as_number
 from gpuwatchd.core.model import HolderScan, as_int
 from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.served import holders as holder_view
@@ -356,15 +356,15 @@ def test_no_signal_is_sent_while_state_dir_is_full(tmp_path: Path) -> None:
 def test_the_lenient_reader_gives_unknown_for_every_malformed_part(tmp_path: Path) -> None:
     """One typed, lenient way to read what the state files say: a missing or malformed value
     is None, never an exception (the readers of state.json share it)."""
-    doc = Value({"status": {"pid": 42, "bad": True, "big": 10**400, "t": 1.5, "nan": float("nan")}})
-    status = doc["status"]
-    assert as_int(status["pid"].raw) == 42
-    assert as_int(status["bad"].raw) is None
-    assert status.number("big") is None
-    assert status.number("t") == 1.5
-    assert status.number("nan") is None
-    assert as_int(doc["missing"]["deeper"]["pid"].raw) is None
-    assert Value([1, 2])["status"].mapping() == {}
+    doc = {"status": {"pid": 42, "bad": True, "big": 10**400, "t": 1.5, "nan": float("nan")}}
+    status = as_map(doc.get("status"))
+    assert as_int(status.get("pid")) == 42
+    assert as_int(status.get("bad")) is None
+    assert as_number(status.get("big")) is None
+    assert as_number(status.get("t")) == 1.5
+    assert as_number(status.get("nan")) is None
+    assert as_int(as_map(as_map(doc.get("missing")).get("deeper")).get("pid")) is None
+    assert as_map(as_map([1, 2]).get("status")) == {}
     path = tmp_path / "state"
     path.mkdir(mode=0o700)
     (path / "state.json").write_text('{"a": ' + "1" * 5000 + "}")

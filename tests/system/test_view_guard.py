@@ -70,8 +70,8 @@ def _holder_view(watch: GuardedWatch | None, fd: int | None = None) -> holder_vi
     )
 
 
-def _view(watch: GuardedWatch | None, *, clean: bool = True) -> dict[str, object]:
-    return _holder_view(watch).document(clean=clean)
+def _view(watch: GuardedWatch | None) -> dict[str, object]:
+    return _holder_view(watch).document()
 
 
 def _on_disk(state: StateDir) -> dict[str, Any]:

@@ -72,11 +72,3 @@ def test_lenient_readers_never_raise_and_keep_what_is_well_formed() -> None:
     assert checked.as_map({"a": 1, 2: 3}) == {"a": 1}
     assert checked.as_map([1]) == {}
     assert checked.as_list({"a": 1}) == []
-
-
-def test_a_value_path_through_missing_or_malformed_parts_is_unknown() -> None:
-    doc = checked.Value({"status": {"pid": 42, "at": math.nan}})
-    assert model.as_int(doc["status"]["pid"].raw) == 42
-    assert doc["status"].number("at") is None
-    assert doc["missing"]["deeper"]["pid"].raw is None
-    assert checked.Value([1])["status"].mapping() == {}

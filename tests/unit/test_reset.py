@@ -116,20 +116,6 @@ def test_each_step_is_recorded_before_it_runs(smi: FakeSmi) -> None:
     assert by_step["drain"]["persistence_was_on"] is True
 
 
-def test_extra_hook_environment_reaches_the_hooks(smi: FakeSmi) -> None:
-    env = FakeEnvironment(smi)
-    perform_reset(
-        TARGET,
-        make_policy(smi),
-        env,
-        dry_run=False,
-        hook_env={"GPUWATCHD_NODE": "node7", "GPUWATCHD_EVENT": "overridden?"},
-    )
-    first = smi.entries()[0]
-    assert first["env"]["GPUWATCHD_NODE"] == "node7"
-    assert first["event"] == "reset_drain"
-
-
 # --- refusals and undo ------------------------------------------------------------------------
 
 

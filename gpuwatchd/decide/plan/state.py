@@ -168,6 +168,16 @@ class PlanState:
     mig_unfinished: Mapping[str, MigUnfinished] = field(default_factory=dict)
     shadow: DryShadow = field(default_factory=DryShadow)  # dry-run's would-be limits (shadow.py)
 
+    def without_node_latch(self) -> PlanState:
+        """The node's kill-cap latch (its forced dry run) lifted."""
+        return replace(
+            self,
+            forced_dry_run=False,
+            forced_reason=None,
+            forced_since=None,
+            forced_since_monotonic=None,
+        )
+
     def to_json(self) -> dict[str, object]:
         """Plain JSON-able data (dicts, lists, str, float, int, bool, None)."""
         flight = self.reset_in_flight

@@ -79,8 +79,7 @@ class ResetInFlight:
 
 @dataclass(frozen=True)
 class HealthWait:
-    """A health reset waiting for its GPU's users to finish (drain, then reset), per GPU UUID:
-    ``since`` (monotonic) the drain began; ``expired`` once past ``health.drain_timeout``."""
+    """A health reset waiting for its GPU's users to finish, per GPU UUID (docs/internals.md)."""
 
     finding_key: str
     since: float
@@ -103,8 +102,7 @@ class ResetRefusal:
 
 @dataclass(frozen=True)
 class MigUnfinished:
-    """A MIG GPU instance (by MIG UUID) whose re-creation failed after its commands started:
-    its GPU is not clean until a snapshot shows its GI ``profile`` at its ``placement`` again."""
+    """A MIG GPU instance (by MIG UUID) whose re-creation may be half done (docs/internals.md)."""
 
     gpu: str
     gi: int
@@ -117,8 +115,7 @@ class MigUnfinished:
 
 @dataclass(frozen=True)
 class Latch:
-    """A kill-cap latch: why, since when (wall time), and its monotonic anchor (None until
-    anchored: after a reboot, or from an older state file)."""
+    """A kill-cap latch: why, since when (wall time), its monotonic anchor (docs/internals.md)."""
 
     reason: str
     since: float

@@ -85,7 +85,6 @@ _KILL_LADDER = (
     "_emit_step",
     "_mark_stuck",
     "_close",
-    "_freed",
     "action_ended",
     "record_signal",
     "record_exit",
@@ -182,7 +181,6 @@ _PLAN_MODULES = {
         "_emit_step",
         "_mark_stuck",
         "_close",
-        "_freed",
     ),
     "plan_resets": (
         "node_block",

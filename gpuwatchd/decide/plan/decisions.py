@@ -22,9 +22,9 @@ from gpuwatchd.decide.plan.intents import (
     Ctx,
     PlanResult,
     Work,
-    ask_on_failure,
     finding_fields,
     is_dry_run,
+    page,
     target_key,
 )
 from gpuwatchd.decide.plan.ladders import advance_ladders, consider_process_finding, expire_latches
@@ -110,7 +110,8 @@ def _watch_lost_gpus(w: Work, ctx: Ctx) -> None:
         why = f"NVML reports the GPU lost: {gpu.error or 'not answering'}"
         fields: dict[str, object] = {"gpu": gpu.uuid, "pci_bus_id": gpu.pci_bus_id, "why": why}
         w.event(EventName.GPU_NEEDS_REBOOT, Level.CRITICAL, **fields)
-        ask_on_failure(w, ctx, f"{gpu.uuid} is lost and needs a reboot", fields, {"gpu": gpu.uuid})
+        reason = f"{gpu.uuid} is lost and needs a reboot"
+        page(w, reason, fields, {"gpu": gpu.uuid}, dry_run=is_dry_run(w, ctx))
 
 
 def _check_boot(w: Work, snapshot: Snapshot) -> None:
@@ -231,15 +232,7 @@ def clear_forced_dry_run(state: PlanState, made: float = math.inf) -> PlanState:
     --clear-latches`` asked), the node's, each user's and the dry-run shadow's."""
     scopes = {k: v for k, v in state.scope_latches.items() if _after(v.since, made)}
     state = replace(state, scope_latches=scopes, shadow=state.shadow.without_latches())
-    if _after(state.forced_since, made):
-        return state
-    return replace(
-        state,
-        forced_dry_run=False,
-        forced_reason=None,
-        forced_since=None,
-        forced_since_monotonic=None,
-    )
+    return state if _after(state.forced_since, made) else state.without_node_latch()
 
 
 def clear_circuit(state: PlanState, made: float = math.inf) -> PlanState:

@@ -13,10 +13,10 @@ from gpuwatchd.decide.plan.intents import (
     Ctx,
     HookIntent,
     Work,
-    ask_on_failure,
     finding_fields,
     hold_reason,
     is_dry_run,
+    page,
 )
 from gpuwatchd.decide.plan.resets import (
     ESCALATING,
@@ -70,7 +70,7 @@ def consider_health(w: Work, ctx: Ctx, finding: Finding) -> None:
     if finding.kind == FindingKind.REBOOT_REQUIRED:
         if w.noted(finding.key, "health:reboot"):
             w.event(EventName.GPU_NEEDS_REBOOT, Level.CRITICAL, why=finding.reason, **fields)
-            ask_on_failure(w, ctx, f"{finding.gpu} needs a reboot", fields, fields)
+            page(w, f"{finding.gpu} needs a reboot", fields, fields, dry_run=dry)
         if act:  # once per incident; one held (paused, blocked, a dry run's) follows later
             _drain_hooks(w, ctx, finding, f"{finding.gpu} needs a reboot", dry)
         return
@@ -122,7 +122,7 @@ def _consider_health_reset(w: Work, ctx: Ctx, finding: Finding, dry: bool) -> No
             why = f"still held after {timeout:g}s: {held}; waiting on, never signalling"
             facts = {**fields, "blockers": blockers}
             w.event(EventName.HEALTH_DRAIN_TIMED_OUT, Level.CRITICAL, why=why, **facts)
-            ask_on_failure(w, ctx, f"{uuid}: {why}", facts, fields)
+            page(w, f"{uuid}: {why}", facts, fields, dry_run=dry)
             return
         until = wait.since + timeout
         w.waiting[finding.key] = until

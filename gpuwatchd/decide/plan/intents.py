@@ -226,7 +226,7 @@ def is_dry_run(w: Work, ctx: Ctx, scope: str | None = None) -> bool:
     return scope is not None and scope in w.scope_latches
 
 
-def kill_cap_scope(proc: ProcessInfo | None, subuids: Sequence[SubIdRange] = ()) -> str:
+def kill_cap_scope(proc: ProcessInfo | None, subuids: Sequence[SubIdRange]) -> str:
     """Whose kill cap a target counts against: its owner's (``uid:N``), a sub-uid's owner's
     (``uid:N`` or ``user:NAME``), or ``uid:unknown``."""
     uid = None if proc is None else proc.uid
@@ -234,9 +234,7 @@ def kill_cap_scope(proc: ProcessInfo | None, subuids: Sequence[SubIdRange] = ())
         return "uid:unknown"
     for entry in subuids:
         if entry.holds(uid):
-            return (
-                f"uid:{entry.owner_uid}" if entry.owner_uid is not None else f"user:{entry.owner}"
-            )
+            return f"user:{entry.owner}" if entry.owner_uid is None else f"uid:{entry.owner_uid}"
     return f"uid:{uid}"
 
 
@@ -255,13 +253,6 @@ def hold_reason(w: Work, ctx: Ctx) -> str | None:
 def pause_hold(w: Work) -> str | None:
     """``paused: <why>`` while an administrator's pause holds every action; else None."""
     return f"paused: {w.state.paused_reason or 'by an administrator'}" if w.state.paused else None
-
-
-def ask_on_failure(
-    w: Work, ctx: Ctx, reason: str, facts: Mapping[str, object], said: Mapping[str, object]
-) -> None:
-    """The ``on_failure`` hooks about ``reason`` (:func:`page`), dry runs while the plan's are."""
-    page(w, reason, facts, said, dry_run=is_dry_run(w, ctx))
 
 
 def page(

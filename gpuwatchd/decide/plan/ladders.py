@@ -46,15 +46,15 @@ def advance_ladders(w: Work, ctx: Ctx) -> None:
         proc = ctx.snapshot.processes.get(lad.pid)
         if proc is None:
             if lad.finding_key not in ctx.findings and _stuck_finding(ctx, target) is None:
-                _freed(w, lad, "target gone")
+                _close(w, lad, "target gone")
             continue  # listed by a finding but not described: unknown, so wait
         if proc.start_ticks is None:
             continue
         if proc.start_ticks != lad.start_ticks:
-            _freed(w, lad, "target gone (PID reused)")
+            _close(w, lad, "target gone (PID reused)")
             continue
         if proc.is_zombie:
-            _freed(w, lad, "target exited (zombie)")
+            _close(w, lad, "target exited (zombie)")
             _zombie_event(w, lad.finding_key, proc.ppid, lad.pid, lad.gpu, force=True)
             continue
         _advance_live_ladder(w, ctx, lad, proc)
@@ -78,10 +78,7 @@ def _advance_live_ladder(w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo) -> N
         _mark_stuck(w, ctx, lad, proc, "target is in uninterruptible sleep (D)")
         return
     if finding is None:
-        released = ActionOutcome.RELEASED
-        _close(
-            w, lad, EventName.ESCALATION_RESOLVED, Level.INFO, "finding resolved", outcome=released
-        )
+        _close(w, lad, "finding resolved", ActionOutcome.RELEASED)
         return
     if lad.due is not None and ctx.now < lad.due:
         w.waiting[lad.finding_key] = lad.due
@@ -162,25 +159,12 @@ def _restart_after_dry_run(w: Work, lad: Ladder) -> None:
     w.event(EventName.ESCALATION_RESTARTED, Level.INFO, why="dry-run ended", **ladder_fields(lad))
 
 
-def _close(
-    w: Work,
-    lad: Ladder,
-    name: str,
-    level: Level,
-    why: str,
-    *,
-    outcome: ActionOutcome | None = None,
-) -> None:
-    """Drop the ladder; an active one says why, and tells ``on_action`` of its ``outcome``."""
+def _close(w: Work, lad: Ladder, why: str, outcome: ActionOutcome = ActionOutcome.FREED) -> None:
+    """Drop the ladder; an active one is resolved: said why, ``outcome`` told to ``on_action``."""
     w.ladders.pop(lad.target, None)
     if lad.status is LadderStatus.ACTIVE:
-        w.event(name, level, why=why, **ladder_fields(lad))
-        if outcome is not None:
-            w.intents.extend(action_ended(lad, outcome, why))
-
-
-def _freed(w: Work, lad: Ladder, why: str) -> None:
-    _close(w, lad, EventName.ESCALATION_RESOLVED, Level.INFO, why, outcome=ActionOutcome.FREED)
+        w.event(EventName.ESCALATION_RESOLVED, Level.INFO, why=why, **ladder_fields(lad))
+        w.intents.extend(action_ended(lad, outcome, why))
 
 
 def _zombie_event(
@@ -260,13 +244,7 @@ def expire_latches(w: Work, ctx: Ctx) -> None:
             if lasted >= lasts:
                 w.event(EventName.LIMITS_KILL_CAP_EXPIRED, Level.WARNING, scope="node",
                         why=w.state.forced_reason, lasted=lasted)  # fmt: skip
-                w.state = replace(
-                    w.state,
-                    forced_dry_run=False,
-                    forced_reason=None,
-                    forced_since=None,
-                    forced_since_monotonic=None,
-                )
+                w.state = w.state.without_node_latch()
             else:
                 w.state = replace(w.state, forced_since_monotonic=anchor)
     for scope, latch in sorted(w.scope_latches.items()):

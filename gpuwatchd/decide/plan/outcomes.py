@@ -64,13 +64,8 @@ def record_signal(
         # Gone before this step's signal: an earlier step, if one was sent, freed it.
         intents = action_ended(lad, ActionOutcome.FREED, outcome, signalled=lad.step - 1)
         if outcome is SignalOutcome.ZOMBIE:
-            events.append(
-                Event(
-                    EventName.ZOMBIE_NEEDS_REAP,
-                    Level.WARNING,
-                    {"pid": lad.pid, "gpu": lad.gpu, "finding": lad.finding_key, "parent": None},
-                )
-            )
+            reap = {"pid": lad.pid, "gpu": lad.gpu, "finding": lad.finding_key, "parent": None}
+            events.append(Event(EventName.ZOMBIE_NEEDS_REAP, Level.WARNING, reap))
     elif outcome is SignalOutcome.REUSED:
         del ladders[target]
         events.append(Event(EventName.ESCALATION_ABORTED, Level.WARNING, fields))

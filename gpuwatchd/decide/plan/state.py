@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, Generic, TypeVar
 
 from gpuwatchd.core.checked import (
@@ -79,8 +80,7 @@ class ResetInFlight:
 
 @dataclass(frozen=True)
 class HealthWait:
-    """A health reset waiting for its GPU's users to finish (drain, then reset), per GPU UUID:
-    ``since`` (monotonic) the drain began; ``expired`` once past ``health.drain_timeout``."""
+    """A health reset waiting for its GPU's users to finish, per GPU UUID (docs/internals.md)."""
 
     finding_key: str
     since: float
@@ -103,8 +103,7 @@ class ResetRefusal:
 
 @dataclass(frozen=True)
 class MigUnfinished:
-    """A MIG GPU instance (by MIG UUID) whose re-creation failed after its commands started:
-    its GPU is not clean until a snapshot shows its GI ``profile`` at its ``placement`` again."""
+    """A MIG GPU instance (by MIG UUID) whose re-creation may be half done (docs/internals.md)."""
 
     gpu: str
     gi: int
@@ -117,8 +116,7 @@ class MigUnfinished:
 
 @dataclass(frozen=True)
 class Latch:
-    """A kill-cap latch: why, since when (wall time), and its monotonic anchor (None until
-    anchored: after a reboot, or from an older state file)."""
+    """A kill-cap latch: why, since when (wall time), its monotonic anchor (docs/internals.md)."""
 
     reason: str
     since: float
@@ -168,32 +166,20 @@ class PlanState:
     mig_unfinished: Mapping[str, MigUnfinished] = field(default_factory=dict)
     shadow: DryShadow = field(default_factory=DryShadow)  # dry-run's would-be limits (shadow.py)
 
+    def without_node_latch(self) -> PlanState:
+        """The node's kill-cap latch (its forced dry run) lifted."""
+        return replace(
+            self,
+            forced_dry_run=False,
+            forced_reason=None,
+            forced_since=None,
+            forced_since_monotonic=None,
+        )
+
     def to_json(self) -> dict[str, object]:
         """Plain JSON-able data (dicts, lists, str, float, int, bool, None)."""
-        flight = self.reset_in_flight
-        return {
-            "version": PLAN_STATE_VERSION,
-            **_SCALARS.values_of(self),
-            "seen": {k: _SEEN.values_of(v) for k, v in self.seen.items()},
-            "notes": dict(self.notes),
-            "waiting": dict(self.waiting),
-            "ladders": {k: _dump_ladder(v) for k, v in self.ladders.items()},
-            "quiet_until": dict(self.quiet_until),
-            "last_reset": dict(self.last_reset),
-            "last_dry_reset": dict(self.last_dry_reset),
-            "reset_history": [[g, t] for g, t in self.reset_history],
-            "reset_in_flight": None if flight is None else _IN_FLIGHT.values_of(flight),
-            "signal_history": [[t, at] for t, at in self.signal_history],
-            "signal_scopes": dict(self.signal_scopes),
-            "scope_latches": {k: _LATCH.values_of(v) for k, v in self.scope_latches.items()},
-            "health_waits": {k: _HEALTH_WAIT.values_of(v) for k, v in self.health_waits.items()},
-            "reset_refusals": {k: _REFUSAL.values_of(v) for k, v in self.reset_refusals.items()},
-            "health_drained": dict(sorted(self.health_drained.items())),
-            "mig_unfinished": {
-                k: _UNFINISHED.values_of(v) for k, v in sorted(self.mig_unfinished.items())
-            },
-            "shadow": self.shadow.to_json(),
-        }
+        parts = {key: write(getattr(self, key)) for key, (write, _, _) in _PARTS.items()}
+        return {"version": PLAN_STATE_VERSION, **_SCALARS.values_of(self), **parts}
 
     @classmethod
     def from_json(cls, data: object) -> PlanState:
@@ -205,29 +191,11 @@ class PlanState:
         scalars = _SCALARS.read(d, "plan")
         if scalars["reset_failures"] < 0:
             raise ValueError("plan.reset_failures: negative")
-        flight = d.get("reset_in_flight")
-        return cls(
-            **scalars,
-            seen=_SEEN.load_all(d.get("seen", {}), "plan.seen"),
-            notes=_each(text, d.get("notes", {}), "plan.notes"),
-            waiting=numbers(d.get("waiting", {}), "plan.waiting"),
-            ladders=_ladders(d.get("ladders", {}), "plan.ladders"),
-            quiet_until=numbers(d.get("quiet_until", {}), "plan.quiet_until"),
-            last_reset=numbers(d.get("last_reset", {}), "plan.last_reset"),
-            last_dry_reset=numbers(d.get("last_dry_reset", {}), "plan.last_dry_reset"),
-            reset_history=pairs(d.get("reset_history", []), "plan.reset_history"),
-            reset_in_flight=None
-            if flight is None
-            else _IN_FLIGHT.load(flight, "plan.reset_in_flight"),
-            signal_history=pairs(d.get("signal_history", []), "plan.signal_history"),
-            signal_scopes=_each(text, d.get("signal_scopes", {}), "plan.signal_scopes"),
-            scope_latches=_LATCH.load_all(d.get("scope_latches", {}), "plan.scope_latches"),
-            health_waits=_HEALTH_WAIT.load_all(d.get("health_waits", {}), "plan.health_waits"),
-            reset_refusals=_REFUSAL.load_all(d.get("reset_refusals", {}), "plan.reset_refusals"),
-            health_drained=_each(flag, d.get("health_drained", {}), "plan.health_drained"),
-            mig_unfinished=_UNFINISHED.load_all(d.get("mig_unfinished", {}), "plan.mig_unfinished"),
-            shadow=DryShadow.from_json(d.get("shadow")),
-        )
+        parts = {
+            key: read(d.get(key, absent), f"plan.{key}")
+            for key, (_, read, absent) in _PARTS.items()
+        }
+        return cls(**scalars, **parts)
 
 
 # --- JSON -------------------------------------------------------------------------------------
@@ -260,6 +228,10 @@ class _Form(Generic[_T]):
     def load_all(self, value: object, what: str) -> dict[str, _T]:
         """A saved ``{key: record}`` mapping."""
         return _each(self.load, value, what)
+
+    def dump_all(self, records: Mapping[str, _T], ordered: bool = False) -> dict[str, object]:
+        entries = sorted(records.items()) if ordered else records.items()
+        return {key: self.values_of(record) for key, record in entries}
 
 
 def _each(read: Callable[[object, str], _T], value: object, what: str) -> dict[str, _T]:
@@ -345,6 +317,37 @@ def _ladders(value: object, what: str) -> dict[str, Ladder]:
         if not key == lad.target == f"{lad.pid}@{lad.start_ticks}":
             raise ValueError(f"{what}.{key}: not saved under its target, pid@start_ticks")
     return ladders
+
+
+def _listed(history: tuple[tuple[str, float], ...]) -> list[list[object]]:
+    return [[name, at] for name, at in history]
+
+
+# PlanState's other parts, in the file's order: key -> (write, read, what the key reads as in
+# an older file that lacks it).
+_PARTS: dict[str, tuple[Callable[[Any], object], Reader, object]] = {
+    "seen": (_SEEN.dump_all, _SEEN.load_all, {}),
+    "notes": (dict, partial(_each, text), {}),
+    "waiting": (dict, numbers, {}),
+    "ladders": (lambda ladders: {k: _dump_ladder(v) for k, v in ladders.items()}, _ladders, {}),
+    "quiet_until": (dict, numbers, {}),
+    "last_reset": (dict, numbers, {}),
+    "last_dry_reset": (dict, numbers, {}),
+    "reset_history": (_listed, pairs, []),
+    "reset_in_flight": (
+        lambda flight: None if flight is None else _IN_FLIGHT.values_of(flight),
+        lambda value, what: None if value is None else _IN_FLIGHT.load(value, what),
+        None,
+    ),
+    "signal_history": (_listed, pairs, []),
+    "signal_scopes": (dict, partial(_each, text), {}),
+    "scope_latches": (_LATCH.dump_all, _LATCH.load_all, {}),
+    "health_waits": (_HEALTH_WAIT.dump_all, _HEALTH_WAIT.load_all, {}),
+    "reset_refusals": (_REFUSAL.dump_all, _REFUSAL.load_all, {}),
+    "health_drained": (lambda drained: dict(sorted(drained.items())), partial(_each, flag), {}),
+    "mig_unfinished": (partial(_UNFINISHED.dump_all, ordered=True), _UNFINISHED.load_all, {}),
+    "shadow": (DryShadow.to_json, lambda value, _what: DryShadow.from_json(value), None),
+}
 
 
 def unfinished_recoveries(state: PlanState) -> dict[str, str]:

@@ -85,6 +85,7 @@ _KILL_LADDER = (
     "_emit_step",
     "_mark_stuck",
     "_close",
+    "PlanState.without_node_latch",
     "action_ended",
     "record_signal",
     "record_exit",
@@ -97,6 +98,7 @@ _KILL_DECISIONS = (
     "_kill_caps",
     "kill_cap_scope",
     "expire_latches",
+    "PlanState.without_node_latch",
     "consider_process_finding",
     "advance_ladders",
     "_advance_live_ladder",
@@ -198,6 +200,7 @@ _PLAN_MODULES = {
         "_refused_memory",
     ),
     "plan_shadow": ("cap_exceeded",),
+    "plan_state": ("PlanState.without_node_latch",),
     "plan_health": (
         "consider_health",
         "_consider_health_reset",

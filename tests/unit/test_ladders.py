@@ -246,8 +246,9 @@ def test_acts_outcome_ends_the_ladder_and_tells_on_action_only_what_was_sent(
     assert whys(out, ended) == [outcome]
     ladder = out.state.ladders.get(f"{A}@{10_000 + A * 7}")
     assert (ladder is None) == (outcome in ("gone", "zombie", "reused"))
-    if outcome == "zombie":
-        assert EventName.ZOMBIE_NEEDS_REAP in names(out)
+    if outcome == "zombie":  # act saw it turn zombie: its parent is not known there
+        reap = [e.fields for e in out.events if e.name == EventName.ZOMBIE_NEEDS_REAP]
+        assert [(f["pid"], f["gpu"], f["parent"]) for f in reap] == [(A, GPU0, None)]
     if ladder is not None:  # denied or failed: never retried
         assert signals(poll([orphan(A)], host(A).build(), out.state, 100.0)) == []
 
@@ -734,6 +735,30 @@ def test_a_latch_without_a_start_counts_from_now_on_the_monotonic_clock() -> Non
     assert jumped.state.forced_dry_run
     lifted = plan([], host().build(), jumped.state, pol, now=600.0, wall=WALL + 10_590.0)
     assert whys(lifted, EventName.LIMITS_KILL_CAP_EXPIRED) == ["storm"]
+
+
+@pytest.mark.parametrize("since", [None, WALL], ids=["no-start", "no-anchor"])
+def test_an_older_latch_once_anchored_holds_through_a_step_too_small_to_rebase(
+    since: float | None,
+) -> None:
+    """Latches from older state files (no start, or a wall start with no monotonic anchor)
+    are anchored on the monotonic clock at the first poll: a later forward step of the wall
+    clock under the plan's rebase threshold (under a minute) does not lift them early."""
+    pol = replace(POLICY, limits=replace(POLICY.limits, kill_cap_latch=600.0))
+    latches = {} if since is None else {"uid:1000": Latch("storm", since)}
+    old = PlanState(
+        forced_dry_run=True, forced_reason="storm", forced_since=since, scope_latches=latches
+    )
+    first = plan([], host().build(), old, pol, now=0.0, wall=WALL)
+    stepped = plan([], host().build(), first.state, pol, now=500.0, wall=WALL + 550.0)
+    late = plan([], host().build(), stepped.state, pol, now=560.0, wall=WALL + 610.0)
+    assert whys(late, EventName.LIMITS_KILL_CAP_EXPIRED) == []
+    assert late.state.forced_dry_run
+    assert set(late.state.scope_latches) == set(old.scope_latches)
+    lifted = plan([], host().build(), late.state, pol, now=600.0, wall=WALL + 650.0)
+    assert whys(lifted, EventName.LIMITS_KILL_CAP_EXPIRED) == ["storm"] * (
+        1 + len(old.scope_latches)
+    )
 
 
 def test_a_saved_latch_reason_of_any_size_is_said_cut_when_the_latch_lifts() -> None:

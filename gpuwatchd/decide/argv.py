@@ -235,20 +235,16 @@ def check_one_gpu(
     argv: Sequence[str],
     allowed: Sequence[str] = GPU_PLACEHOLDERS,
     *,
-    require_placeholder: bool = True,
     what: str = "the reset command",
 ) -> None:
     """Raise :class:`ArgvError` unless ``argv`` names exactly one GPU, once, by ``{uuid}`` or
-    ``{pci_bus_id}`` (or, unless ``require_placeholder``, a literal one): no index, no comma
-    list, one selector in any spelling, and nvidia-smi only with the GPU as its selector."""
+    ``{pci_bus_id}`` (never a literal one): no index, no comma list, one selector in any
+    spelling, and nvidia-smi only with the GPU as its selector."""
     check_command(argv, allowed)
     mentions = 0
     for arg in argv:
         names = placeholders_in(arg)  # check_command refused any name not ``allowed``
         count = sum(f"{{{name}}}" in _SELECTOR_PLACEHOLDERS for name in names)
-        if not require_placeholder:
-            count += len(LITERAL_UUID.findall(arg))
-            count += len(LITERAL_BUS_ID.findall(LITERAL_UUID.sub("", arg)))
         if count and ("minor" in names or "," in arg):
             raise ArgvError(f"argument {arg!r} names more than one GPU or mixes in an index")
         mentions += count
@@ -270,7 +266,7 @@ def check_one_gpu(
         spellings = ", ".join(f"'{s.spelling}'" for s in selectors)
         raise ArgvError(f"{what} selects a GPU {len(selectors)} times ({spellings}); once only")
     for selector in selectors:
-        if not _names_one_gpu(selector.value or "", require_placeholder):
+        if selector.value not in _SELECTOR_PLACEHOLDERS:
             raise ArgvError(
                 f"'{selector.spelling}' must select the GPU by {{uuid}} or {{pci_bus_id}} "
                 "alone, nothing around it"
@@ -306,14 +302,6 @@ def _selectors(argv: Sequence[str]) -> list[_Selector]:
 
 def _is_index(value: str) -> bool:
     return "{minor}" in value or any(part.strip().isdigit() for part in value.split(","))
-
-
-def _names_one_gpu(value: str, require_placeholder: bool) -> bool:
-    if value in _SELECTOR_PLACEHOLDERS:
-        return True
-    if require_placeholder:
-        return False
-    return bool(LITERAL_UUID.fullmatch(value) or LITERAL_BUS_ID.fullmatch(value))
 
 
 def _basename(arg: str) -> str:

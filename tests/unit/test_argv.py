@@ -109,39 +109,34 @@ def test_a_refused_shell_is_named_where_it_stands(argv: list[str], message: str)
 
 
 @pytest.mark.parametrize(
-    ("argv", "require_placeholder", "message"),
+    ("argv", "message"),
     [
         (
             ["nvidia-smi", "-r", "-i", "{uuid}", "-iX"],
-            True,
             "selects a GPU 2 times ('-i {uuid}', '-iX'); once only",
         ),
         (
             ["nvidia-smi", "-r", "-i", UUID, "{uuid}"],
-            True,
             "'-i GPU-8f0a1e2b-0000-1111-2222-333344445555' must select the GPU by {uuid} or "
             "{pci_bus_id} alone",
         ),
-        (["nvidia-smi", "-r", "-i", "0,abc"], False, "'-i 0,abc' selects a GPU by index"),
+        (["nvidia-smi", "-r", "-i", "0,abc"], "'-i 0,abc' selects a GPU by index"),
         # nvidia-smi's other spellings of the option, each named as written
-        (["nvidia-smi", "-r", "--id=0"], False, "'--id=0' selects a GPU by index"),
-        (["nvidia-smi", "-r", "-i=1"], False, "'-i=1' selects a GPU by index"),
-        (["nvidia-smi", "-r", "-i2"], False, "'-i2' selects a GPU by index"),
-        (["nvidia-smi", "-r", "-i"], True, "'-i' has no value: it must name the GPU"),
+        (["nvidia-smi", "-r", "--id=0"], "'--id=0' selects a GPU by index"),
+        (["nvidia-smi", "-r", "-i=1"], "'-i=1' selects a GPU by index"),
+        (["nvidia-smi", "-r", "-i2"], "'-i2' selects a GPU by index"),
+        (["nvidia-smi", "-r", "-i"], "'-i' has no value: it must name the GPU"),
     ],
 )
-def test_a_reset_command_names_one_gpu_once(
-    argv: list[str], require_placeholder: bool, message: str
-) -> None:
+def test_a_reset_command_names_one_gpu_once(argv: list[str], message: str) -> None:
     with pytest.raises(ArgvError) as caught:
-        check_one_gpu(argv, require_placeholder=require_placeholder)
+        check_one_gpu(argv)
     assert message in str(caught.value)
 
 
-def test_a_literal_gpu_is_accepted_only_where_the_policy_allows_it() -> None:
-    check_one_gpu(["nvidia-smi", "-r", "-i", UUID], require_placeholder=False)
+def test_a_literal_gpu_is_refused_where_the_gpu_must_be_named() -> None:
     with pytest.raises(ArgvError, match="must name exactly one GPU"):
-        check_one_gpu(["nvidia-smi", "-r", "-i", UUID], require_placeholder=True)
+        check_one_gpu(["nvidia-smi", "-r", "-i", UUID])
     # A hook that runs nvidia-smi is held to placeholders: a literal GPU there is refused.
     with pytest.raises(ArgvError, match=r"^a hook that runs nvidia-smi must name exactly one"):
         check_hook_command(["nvidia-smi", "-q", "-i", UUID], HOOK_PLACEHOLDERS)

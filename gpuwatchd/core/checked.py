@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 
-from gpuwatchd.core.model import as_int
+from gpuwatchd.core.model import MAX_XID, XidEvent, as_int
 
 # --- strict: the expected type, or ValueError naming where ---------------------------------------
 
@@ -141,6 +141,15 @@ def as_count(value: object) -> int | None:
     """A non-negative integer; None otherwise."""
     found = as_int(value)
     return found if found is not None and found >= 0 else None
+
+
+def as_xid_event(xid: object, wall: object) -> XidEvent | None:
+    """An NVML Xid event: an Xid from 0 to ``MAX_XID`` and a finite wall time from 1970 on;
+    None otherwise (the collector drops it, the state file's reader refuses it)."""
+    found, at = as_int(xid), as_number(wall)
+    if found is None or not 0 <= found <= MAX_XID or at is None or at < 0:
+        return None
+    return XidEvent(found, at)
 
 
 def as_text(value: object) -> str | None:

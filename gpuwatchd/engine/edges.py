@@ -205,7 +205,7 @@ class Standing:
     verdict: NodeVerdict | None
     spares: tuple[Spare, ...]
     nvml: NvmlAvailability
-    taken_xids: Mapping[str, object]  # TakenXids.to_json(): NVML's events the next poll judges
+    taken_xids: TakenXids  # NVML's events the next poll judges (a copy: saved by to_json)
 
 
 @dataclass(frozen=True)

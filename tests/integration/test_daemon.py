@@ -859,6 +859,17 @@ def test_a_save_that_finds_nothing_changed_encodes_no_taken_xids(
     assert daemon.save_state()
 
 
+def test_the_threat_model_names_every_section_of_the_state_file(tmp_path: Path) -> None:
+    """docs/threat-model.md says what state.json holds, each of its top-level keys by name."""
+    daemon, _ = _daemon_with_config(tmp_path, "dry_run: true\n")
+    (tmp_path / "state").mkdir(mode=0o700)
+    assert daemon.save_state()
+    saved = json.loads((tmp_path / "state" / "state.json").read_text())
+    doc = Path(__file__).parents[2].joinpath("docs", "threat-model.md").read_text()
+    said = doc.partition("What is in it: `state.json` (")[2].partition("),\n")[0]
+    assert [key for key in saved if f"`{key}`" not in said] == []
+
+
 def reset_argvs(daemon: Daemon) -> list[tuple[str, ...]]:
     assert isinstance(daemon.engine.actuator, Actuator)
     return [argv for argv, _ in daemon.engine.actuator.commands if "--gpu-reset" in argv]

@@ -50,6 +50,30 @@ def opt_reason(value: object, what: str) -> str | None:
     return None if value is None else reason(value, what)
 
 
+MAX_STRING = 4096  # PATH_MAX; no name, glob or argument of a policy is longer (config/keys.py)
+
+
+def name(value: object, what: str) -> str:
+    """A saved name that events carry whole (a rule's, a user's, a kill-cap scope): refused
+    past :data:`MAX_STRING` characters, a policy string's most (cut, it would name another)."""
+    found = text(value, what)
+    if len(found) > MAX_STRING:
+        raise ValueError(f"{what}: {shown(found)} is longer than {MAX_STRING} characters")
+    return found
+
+
+def opt_name(value: object, what: str) -> str | None:
+    return None if value is None else name(value, what)
+
+
+def by_name(value: object, what: str) -> Mapping[str, object]:
+    """An object keyed by names (kill-cap scopes), each key read as :func:`name`."""
+    found = obj(value, what)
+    for key in found:
+        name(key, what)
+    return found
+
+
 def integer(value: object, what: str) -> int:
     number = as_int(value)
     if number is None:

@@ -12,13 +12,16 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
 from gpuwatchd.core.checked import (
+    by_name,
     flag,
     integer,
     is_version,
     items,
+    name,
     number,
     numbers,
     obj,
+    opt_name,
     opt_number,
     opt_reason,
     opt_text,
@@ -220,8 +223,10 @@ class PlanState:
             if flight is None
             else _IN_FLIGHT.load(flight, "plan.reset_in_flight"),
             signal_history=pairs(d.get("signal_history", []), "plan.signal_history"),
-            signal_scopes=_each(text, d.get("signal_scopes", {}), "plan.signal_scopes"),
-            scope_latches=_LATCH.load_all(d.get("scope_latches", {}), "plan.scope_latches"),
+            signal_scopes=_each(name, d.get("signal_scopes", {}), "plan.signal_scopes"),
+            scope_latches=_LATCH.load_all(
+                by_name(d.get("scope_latches", {}), "plan.scope_latches"), "plan.scope_latches"
+            ),
             health_waits=_HEALTH_WAIT.load_all(d.get("health_waits", {}), "plan.health_waits"),
             reset_refusals=_REFUSAL.load_all(d.get("reset_refusals", {}), "plan.reset_refusals"),
             health_drained=_each(flag, d.get("health_drained", {}), "plan.health_drained"),
@@ -249,8 +254,8 @@ class _Form(Generic[_T]):
     def read(self, data: Mapping[str, object], what: str) -> dict[str, Any]:
         """Each field's checked value by attribute; ValueError naming ``what`` and the key."""
         found = {}
-        for name, reader in self.fields.items():
-            key, _, attribute = name.partition("=")
+        for field_name, reader in self.fields.items():
+            key, _, attribute = field_name.partition("=")
             found[attribute or key] = reader(data.get(key, self.absent.get(key)), f"{what}.{key}")
         return found
 
@@ -320,9 +325,9 @@ def _steps(value: object, what: str) -> tuple[tuple[str | None, float], ...]:
 
 # "user" is absent in older state files: unknown. "status" is checked with "step" (_ladder).
 _LADDER = _Form(Ladder, {"target": text, "pid": integer, "start_ticks": integer,
-                "finding=finding_key": text, "rule": text, "gpu": opt_text, "steps": _steps,
+                "finding=finding_key": text, "rule": name, "gpu": opt_text, "steps": _steps,
                 "step": integer, "due": opt_number, "status": text, "dry_run": flag,
-                "started": number, "user": opt_text})  # fmt: skip
+                "started": number, "user": opt_name})  # fmt: skip
 
 
 def _dump_ladder(lad: Ladder) -> dict[str, object]:

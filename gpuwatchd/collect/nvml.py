@@ -21,10 +21,9 @@ from importlib.machinery import PathFinder
 from typing import Any, Protocol
 
 from gpuwatchd.collect.mig import MAX_INSTANCE_ID, MAX_MIG_DEVICES
-from gpuwatchd.core.checked import as_flag, as_map, as_number, items, obj, opt_integer, opt_text
+from gpuwatchd.core.checked import as_flag, as_map, as_xid_event, items, obj, opt_integer, opt_text
 from gpuwatchd.core.codec import decode_json_object
 from gpuwatchd.core.model import (
-    MAX_XID,
     GpuHealth,
     GpuInfo,
     GpuMemory,
@@ -495,14 +494,9 @@ def _checked(
 def _xids(raw: object) -> tuple[XidEvent, ...]:
     if not isinstance(raw, list):
         return ()
-    found = []
-    for item in raw[:MAX_XIDS_PER_POLL]:
-        if not isinstance(item, Mapping):
-            continue
-        xid, wall = bounded(item.get("xid"), MAX_XID), as_number(item.get("wall"))
-        if xid is not None and wall is not None and wall >= 0:
-            found.append(XidEvent(xid, wall))
-    return tuple(found)
+    found = (as_map(item) for item in raw[:MAX_XIDS_PER_POLL])
+    events = (as_xid_event(item.get("xid"), item.get("wall")) for item in found)
+    return tuple(event for event in events if event is not None)
 
 
 def to_health(raw: object) -> GpuHealth | None:

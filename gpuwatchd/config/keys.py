@@ -25,6 +25,7 @@ from gpuwatchd.config.yamlsrc import (
     did_you_mean,
     shown,
 )
+from gpuwatchd.core.checked import MAX_STRING
 from gpuwatchd.core.model import FindingKind
 from gpuwatchd.decide.argv import (
     GPU_PLACEHOLDERS,
@@ -61,7 +62,6 @@ from gpuwatchd.decide.policy import (
 )
 
 LOG_FORMATS = ("logfmt", "json", "console")
-MAX_STRING = 4096  # PATH_MAX; no name, glob or argument of a policy is longer
 MAX_PATTERN = 1024  # a regex longer than this is a mistake, and sre compiles it recursively
 
 Reader = Callable[[Node], Any]

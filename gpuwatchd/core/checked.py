@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 
-from gpuwatchd.core.model import as_int
+from gpuwatchd.core.model import MAX_XID, XidEvent, as_int
 
 # --- strict: the expected type, or ValueError naming where ---------------------------------------
 
@@ -48,6 +48,30 @@ def reason(value: object, what: str) -> str:
 
 def opt_reason(value: object, what: str) -> str | None:
     return None if value is None else reason(value, what)
+
+
+MAX_STRING = 4096  # PATH_MAX; no name, glob or argument of a policy is longer (config/keys.py)
+
+
+def name(value: object, what: str) -> str:
+    """A saved name that events carry whole (a rule's, a user's, a kill-cap scope): refused
+    past :data:`MAX_STRING` characters, a policy string's most (cut, it would name another)."""
+    found = text(value, what)
+    if len(found) > MAX_STRING:
+        raise ValueError(f"{what}: {shown(found)} is longer than {MAX_STRING} characters")
+    return found
+
+
+def opt_name(value: object, what: str) -> str | None:
+    return None if value is None else name(value, what)
+
+
+def by_name(value: object, what: str) -> Mapping[str, object]:
+    """An object keyed by names (kill-cap scopes), each key read as :func:`name`."""
+    found = obj(value, what)
+    for key in found:
+        name(key, what)
+    return found
 
 
 def integer(value: object, what: str) -> int:
@@ -141,6 +165,15 @@ def as_count(value: object) -> int | None:
     """A non-negative integer; None otherwise."""
     found = as_int(value)
     return found if found is not None and found >= 0 else None
+
+
+def as_xid_event(xid: object, wall: object) -> XidEvent | None:
+    """An NVML Xid event: an Xid from 0 to ``MAX_XID`` and a finite wall time from 1970 on;
+    None otherwise (the collector drops it, the state file's reader refuses it)."""
+    found, at = as_int(xid), as_number(wall)
+    if found is None or not 0 <= found <= MAX_XID or at is None or at < 0:
+        return None
+    return XidEvent(found, at)
 
 
 def as_text(value: object) -> str | None:

@@ -777,7 +777,7 @@ class Daemon:
                 "assess": state.assess.to_json(),
                 "plan": state.plan.to_json(),
                 "reset_in_progress": state.reset_in_progress,
-                "taken_xids": state.taken_xids,
+                "taken_xids": state.taken_xids.to_json(),
                 "status": status,
             }
         )

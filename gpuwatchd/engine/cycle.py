@@ -322,7 +322,7 @@ class Engine:
             self._verdict,
             self.spares,
             self.nvml_availability,
-            state.taken.to_json(),
+            TakenXids(dict(state.taken.events)),  # compared by each save, encoded by a write
         )
 
     def _replan_held(

@@ -11,9 +11,8 @@ from typing import Protocol, TypeVar
 
 from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.act.signals import SignalResult
-from gpuwatchd.core.checked import items, number, obj
+from gpuwatchd.core.checked import as_xid_event, items, obj
 from gpuwatchd.core.model import (
-    MAX_XID,
     GpuInfo,
     HolderScan,
     KernelXid,
@@ -22,7 +21,6 @@ from gpuwatchd.core.model import (
     Snapshot,
     Spare,
     XidEvent,
-    as_int,
 )
 from gpuwatchd.core.model import Pause as Pause  # noqa: PLC0414 - re-exported: a poll input
 from gpuwatchd.core.vocabulary import Level
@@ -80,10 +78,10 @@ class TakenXids:
             kept = []
             for entry in items(raw, what, MAX_KEPT_XIDS):
                 pair = items(entry, what)
-                xid = as_int(pair[0]) if len(pair) == 2 else None
-                if xid is None or not 0 <= xid <= MAX_XID:
+                event = as_xid_event(*pair) if len(pair) == 2 else None
+                if event is None:
                     raise ValueError(f"{what}: expected [xid, wall] pairs")
-                kept.append(XidEvent(xid, number(pair[1], what)))
+                kept.append(event)
             events[uuid] = tuple(kept)
         return cls(events)
 
@@ -207,7 +205,7 @@ class Standing:
     verdict: NodeVerdict | None
     spares: tuple[Spare, ...]
     nvml: NvmlAvailability
-    taken_xids: Mapping[str, object]  # TakenXids.to_json(): NVML's events the next poll judges
+    taken_xids: TakenXids  # NVML's events the next poll judges (a copy: saved by to_json)
 
 
 @dataclass(frozen=True)

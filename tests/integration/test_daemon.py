@@ -45,7 +45,7 @@ from gpuwatchd.decide.mig.recovery import InstanceRecovery
 from gpuwatchd.decide.plan import state as plan_state
 from gpuwatchd.decide.plan.state import Ladder, Latch, PlanState, ResetInFlight, SeenFinding
 from gpuwatchd.decide.verdict import UNREADABLE
-from gpuwatchd.engine.edges import Pause, PollReport
+from gpuwatchd.engine.edges import Pause, PollReport, TakenXids
 from gpuwatchd.events.catalogue import render
 from gpuwatchd.served.scan_socket import SOCKET_NAME, ScanAnswer
 from gpuwatchd.state.directory import StateDir
@@ -841,6 +841,33 @@ def test_a_checkpoint_saves_the_xid_events_a_reading_took_since_the_last_one(
     assert daemon.save_state()
     saved = json.loads((tmp_path / "state" / "state.json").read_text())
     assert saved["taken_xids"] == {HEALTH_GPU1: [[48, W0]]}
+
+
+def test_a_save_that_finds_nothing_changed_encodes_no_taken_xids(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each poll's checkpoint compares the Xids taken as they are in memory and encodes them
+    only for a write: a quiet node's poll builds no JSON of them."""
+    daemon, _ = _daemon_with_config(tmp_path, "dry_run: true\n")
+    (tmp_path / "state").mkdir(mode=0o700)
+    assert daemon.save_state()
+
+    def encode(self: TakenXids) -> dict[str, object]:
+        raise AssertionError("taken Xids encoded for a save that writes nothing")
+
+    monkeypatch.setattr(TakenXids, "to_json", encode)
+    assert daemon.save_state()
+
+
+def test_the_threat_model_names_every_section_of_the_state_file(tmp_path: Path) -> None:
+    """docs/threat-model.md says what state.json holds, each of its top-level keys by name."""
+    daemon, _ = _daemon_with_config(tmp_path, "dry_run: true\n")
+    (tmp_path / "state").mkdir(mode=0o700)
+    assert daemon.save_state()
+    saved = json.loads((tmp_path / "state" / "state.json").read_text())
+    doc = Path(__file__).parents[2].joinpath("docs", "threat-model.md").read_text()
+    said = doc.partition("What is in it: `state.json` (")[2].partition("),\n")[0]
+    assert [key for key in saved if f"`{key}`" not in said] == []
 
 
 def reset_argvs(daemon: Daemon) -> list[tuple[str, ...]]:

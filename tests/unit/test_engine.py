@@ -824,6 +824,7 @@ def test_taken_xid_events_go_through_the_state_file_and_back() -> None:
         {HEALTH_GPU1: [[48, None]]},
         {HEALTH_GPU1: [[48, "900"]]},
         {HEALTH_GPU1: [[48, float("inf")]]},
+        {HEALTH_GPU1: [[48, -1.0]]},  # before 1970: the collector drops it (one pair reader)
         {HEALTH_GPU1: [[48, 900.0]] * (MAX_KEPT_XIDS + 1)},  # more than a GPU keeps
     ],
 )

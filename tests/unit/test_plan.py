@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuwatchd.core.checked import MAX_REASON
+from gpuwatchd.core.checked import MAX_REASON, MAX_STRING
 from gpuwatchd.core.model import (
     MIB,
     CgroupInfo,
@@ -1525,6 +1525,30 @@ def test_a_saved_reason_of_any_size_is_read_cut_and_the_rest_of_the_plan_with_it
     huge = replace(saved(kept + "x" * 100_000), signal_history=(("7@70", 3.0),))
     read = PlanState.from_json(json.loads(json.dumps(huge.to_json())))
     assert read == replace(saved(kept), signal_history=(("7@70", 3.0),)), place
+
+
+@pytest.mark.parametrize(
+    ("place", "saved"),
+    [
+        ("plan.ladders.7@70.rule", lambda name: PlanState(ladders={
+            "7@70": replace(_SAVED_LADDER, rule=name)})),
+        ("plan.ladders.7@70.user", lambda name: PlanState(ladders={
+            "7@70": replace(_SAVED_LADDER, user=name)})),
+        ("plan.scope_latches", lambda name: PlanState(scope_latches={name: Latch("cap", 1.0)})),
+        ("plan.shadow.latches", lambda name: PlanState(shadow=DryShadow(latches={
+            name: ("cap", 1.0)}))),
+    ],
+)  # fmt: skip
+def test_a_saved_name_events_carry_whole_is_refused_past_a_policy_string_s_length(
+    place: str, saved: Callable[[str], PlanState]
+) -> None:
+    """A ladder's rule and user and a kill-cap scope reach events whole (a signal's rule, an
+    expired latch's scope): one longer than a policy's strings may be (MAX_STRING) is damage,
+    refused naming its place as other malformed values are (cut, it would name another)."""
+    kept = "n" * MAX_STRING
+    assert PlanState.from_json(json.loads(json.dumps(saved(kept).to_json()))) == saved(kept)
+    with pytest.raises(ValueError, match=rf"^{place}: 'n+\.\.\. is longer than {MAX_STRING} char"):
+        PlanState.from_json(json.loads(json.dumps(saved(kept + "n").to_json())))
 
 
 def test_ladder_follows_the_process_when_its_finding_changes_kind() -> None:

@@ -228,6 +228,8 @@ def test_nvml_only_xids_are_judged_as_before() -> None:
         {"klog_pos": "1"},
         {"sightings": [[79, 1.0, "dmesg"]]},
         {"sightings": [[79, 1.0]]},
+        {"sightings": [[-1, 1.0, "nvml"]]},  # an Xid as the Xid-keyed parts take one:
+        {"sightings": [[100_000, 1.0, "kernel"]]},  # 0 to 5 digits, as the kernel log's
         {"details": {"79": {"pid": "x", "wall": 1.0}}},
         {"details": {"x": {"wall": 1.0}}},
         {"details": {"79": {"process": "p" * 65, "wall": 1.0}}},

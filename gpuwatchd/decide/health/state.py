@@ -14,6 +14,7 @@ from gpuwatchd.core.model import as_int
 MAX_XID_KINDS = 64  # distinct Xid numbers remembered per GPU; more is a storm of garbage
 MAX_COUNT = 2**31  # occurrences of one Xid per GPU: counted (judge.py) or held (xid_sources.py)
 MAX_JOB = 300  # a job key: its kind and one cgroup path component (at most 255 bytes)
+XID_DIGITS = 5  # of an Xid kept (a key or a sighting's): the kernel log's have at most as many
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,7 @@ def _by_xid(entry: Mapping[str, object], what: str, name: str) -> Iterator[tuple
         raise ValueError(f"{what}.{name}: expected an object of at most {MAX_XID_KINDS}")
     for key, value in found.items():
         where = f"{what}.{name}.{key}"
-        if not isinstance(key, str) or not key.isdecimal() or len(key) > 5:
+        if not isinstance(key, str) or not key.isdecimal() or len(key) > XID_DIGITS:
             raise ValueError(f"{where}: expected Xid numbers as keys")
         yield int(key), value, where
 
@@ -181,14 +182,10 @@ def _kernel_log_state(entry: Mapping[str, object], what: str) -> GpuHealthState:
         raise ValueError(f"{what}.sightings: expected a list of at most 64")
     sightings = []
     for item in raw_sightings:
-        if (
-            not isinstance(item, list)
-            or len(item) != 3
-            or as_int(item[0]) is None
-            or item[2] not in ("nvml", "kernel")
-        ):
+        xid = as_int(item[0]) if isinstance(item, list) and len(item) == 3 else None
+        if xid is None or not 0 <= xid < 10**XID_DIGITS or item[2] not in ("nvml", "kernel"):
             raise ValueError(f"{what}.sightings: expected [xid, wall, source]")
-        sightings.append(Sighting(int(item[0]), number(item[1], what), str(item[2])))
+        sightings.append(Sighting(xid, number(item[1], what), str(item[2])))
     details: dict[int, XidDetail] = {}
     for xid, raw, where in _by_xid(entry, what, "details"):
         if not isinstance(raw, dict):

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypeVar, cast
 
-from gpuwatchd.core.checked import MAX_REASON, items, number, obj, opt_number, pairs, reason, text
+from gpuwatchd.core.checked import MAX_REASON, items, name, number, obj, opt_number, pairs, reason
 from gpuwatchd.decide.policy import Limits
 
 HOUR = 3600.0
@@ -65,7 +65,7 @@ class DryShadow:
             signalled=pairs(data.get("signalled", []), "plan.shadow.signalled", MAX_ENTRIES),
             capped=None if capped is None else capped[:MAX_REASON],
             forced=tuple(cast(list[str], forced)),
-            scopes=_entries(data, "scopes", text),
+            scopes=_entries(data, "scopes", name),
             capped_since=opt_number(data.get("capped_since"), "plan.shadow.capped_since"),
             latches=_entries(data, "latches", _latch),
         )
@@ -95,12 +95,13 @@ def cap_exceeded(
 def _entries(
     data: Mapping[str, object], key: str, read: Callable[[object, str], _T]
 ) -> dict[str, _T]:
-    """The saved object ``data[key]`` (at most MAX_ENTRIES entries), each value read by ``read``."""
+    """The saved object ``data[key]`` (at most MAX_ENTRIES entries), each value read by ``read``;
+    its keys (finding keys, targets, scopes) are names events may carry."""
     what = f"plan.shadow.{key}"
     found = data.get(key, {})
     if not isinstance(found, dict) or len(found) > MAX_ENTRIES:
         raise ValueError(f"{what}: expected an object")
-    return {text(k, what): read(v, f"{what}.{k}") for k, v in found.items()}
+    return {name(k, what): read(v, f"{what}.{k}") for k, v in found.items()}
 
 
 def _latch(value: object, what: str) -> tuple[str, float]:

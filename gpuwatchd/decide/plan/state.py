@@ -13,13 +13,16 @@ from functools import partial
 from typing import Any, Generic, TypeVar
 
 from gpuwatchd.core.checked import (
+    by_name,
     flag,
     integer,
     is_version,
     items,
+    name,
     number,
     numbers,
     obj,
+    opt_name,
     opt_number,
     opt_reason,
     opt_text,
@@ -217,8 +220,8 @@ class _Form(Generic[_T]):
     def read(self, data: Mapping[str, object], what: str) -> dict[str, Any]:
         """Each field's checked value by attribute; ValueError naming ``what`` and the key."""
         found = {}
-        for name, reader in self.fields.items():
-            key, _, attribute = name.partition("=")
+        for field_name, reader in self.fields.items():
+            key, _, attribute = field_name.partition("=")
             found[attribute or key] = reader(data.get(key, self.absent.get(key)), f"{what}.{key}")
         return found
 
@@ -292,9 +295,9 @@ def _steps(value: object, what: str) -> tuple[tuple[str | None, float], ...]:
 
 # "user" is absent in older state files: unknown. "status" is checked with "step" (_ladder).
 _LADDER = _Form(Ladder, {"target": text, "pid": integer, "start_ticks": integer,
-                "finding=finding_key": text, "rule": text, "gpu": opt_text, "steps": _steps,
+                "finding=finding_key": text, "rule": name, "gpu": opt_text, "steps": _steps,
                 "step": integer, "due": opt_number, "status": text, "dry_run": flag,
-                "started": number, "user": opt_text})  # fmt: skip
+                "started": number, "user": opt_name})  # fmt: skip
 
 
 def _dump_ladder(lad: Ladder) -> dict[str, object]:
@@ -340,8 +343,12 @@ _PARTS: dict[str, tuple[Callable[[Any], object], Reader, object]] = {
         None,
     ),
     "signal_history": (_listed, pairs, []),
-    "signal_scopes": (dict, partial(_each, text), {}),
-    "scope_latches": (_LATCH.dump_all, _LATCH.load_all, {}),
+    "signal_scopes": (dict, partial(_each, name), {}),
+    "scope_latches": (
+        _LATCH.dump_all,
+        lambda value, what: _LATCH.load_all(by_name(value, what), what),
+        {},
+    ),
     "health_waits": (_HEALTH_WAIT.dump_all, _HEALTH_WAIT.load_all, {}),
     "reset_refusals": (_REFUSAL.dump_all, _REFUSAL.load_all, {}),
     "health_drained": (lambda drained: dict(sorted(drained.items())), partial(_each, flag), {}),

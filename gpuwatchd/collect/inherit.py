@@ -81,7 +81,7 @@ class InheritanceProbe:
                 shared = self._known.get(key)
                 retry = self._unknown_until.get(key, 0) <= self._polls
                 walk = budget > 0 and self._walk_left > 0 and self.kcmp.unavailable is None
-                if shared is None and retry and walk:
+                if asked := shared is None and retry and walk:
                     budget -= 1
                     shared = self._shares(pid, owner.pid, read)
                     if len(self._known) + len(self._unknown_until) >= _MAX_CACHE:
@@ -92,7 +92,8 @@ class InheritanceProbe:
                         self._unknown_until.pop(key, None)
                     else:
                         self._unknown_until[key] = self._polls + _RETRY_UNKNOWN_POLLS
-                found.append(FileSharing(holder=pid, owner=owner.pid, shared=shared))
+                cut = asked and self._cut is not None  # no pair is asked after a cut
+                found.append(FileSharing(holder=pid, owner=owner.pid, shared=shared, cut=cut))
         self._say_cut(processes)
         return tuple(found)
 

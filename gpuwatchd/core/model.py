@@ -201,11 +201,13 @@ class HolderScan:
 @dataclass(frozen=True)
 class FileSharing:
     """Whether a holder's device fds are a live context owner's own open file descriptions
-    (``kcmp(KCMP_FILE)``: inherited by fork or fd passing); None when it could not be told."""
+    (``kcmp(KCMP_FILE)``: inherited by fork or fd passing); None when it could not be told.
+    ``cut``: unknown because a poll's fd budget ran out reading either process's fds."""
 
     holder: int
     owner: int
     shared: bool | None
+    cut: bool = False
 
 
 # --- NVML -------------------------------------------------------------------------------------

@@ -216,14 +216,17 @@ def test_a_poll_reads_a_bounded_number_of_fds_and_a_table_cut_short_is_unknown(
 
     monkeypatch.setattr(os, "readlink", counted)
     polls: list[dict[int, bool | None]] = []
+    cuts: list[list[int]] = []
     walked: list[int] = []
     with capture_logs() as logs:
         for _ in range(13):  # the 13th asks the unknown pair again
             reads.clear()
             answers = probe.compare(processes, scan, [750], {})
             polls.append({a.holder: a.shared for a in answers})
+            cuts.append([a.holder for a in answers if a.cut])
             walked.append(len(reads))
     assert polls[0] == {751: None, 752: None}  # cut short: unknown; 752 waits
+    assert cuts == [[751]] + [[]] * 11 + [[751]]  # marked when asked and cut, not while waiting
     assert all(answers == {751: None, 752: False} for answers in polls[1:]), polls
     assert max(walked) <= 1000, walked
     assert walked[12] > 900, walked  # read again, cut short again, not said again
@@ -410,6 +413,40 @@ def test_spawn_worker_of_a_dead_owner_is_never_its_heir(
     assert kind is expected
     if sharing is False:
         assert (evidence["own_files"], evidence["owner"]) == (True, 800)
+
+
+@pytest.mark.parametrize(
+    ("later", "expected"),
+    [(None, None), (False, FindingKind.HIDDEN_HOLDER), (True, FindingKind.ORPHANED)],
+    ids=["never-answered", "then-own-files", "then-shared"],
+)
+def test_a_holder_whose_answer_the_fd_budget_cut_short_is_undecided_until_answered(
+    later: bool | None, expected: FindingKind | None
+) -> None:
+    """A poll's fd budget ran out comparing spawn worker 801 with its live owner 800: the
+    full read could have said "its own files" (never a target), so once 800 is dead its tie
+    makes 801 no orphan but an undecided holder, across a restart too; a later definite
+    answer replaces the cut one and decides as it always did."""
+    cut = spawn_host(owner_alive=True, sharing=None).sharing(801, 800, None, cut=True)
+    state = run(cut.at(1000.0).build()).state
+    owner = ProcessIdentity(800, 10_000 + 800 * 7)
+    assert state.to_json()["inheritance"] == [
+        {"pid": 801, "start_ticks": 10_000 + 801 * 7, "owners": [[800, owner.start_ticks, None]]}
+    ]
+    state = AssessState.from_json(state.to_json())  # a restart keeps the cut answer
+    again = spawn_host(owner_alive=True, sharing=later).at(1005.0)
+    if later is None:
+        again.sharing(801, 800, None)  # unknown but not cut (mappings only): keeps the mark
+    state = run(again.build(), state).state
+    result = run(spawn_host(owner_alive=False, sharing=None).at(1010.0).build(), state)
+    ((kind, evidence),) = findings_of(result, 801)
+    if expected is None:
+        (finding,) = [f for f in result.findings if f.pid == 801]
+        assert (kind, evidence["undecided"]) == (FindingKind.HIDDEN_HOLDER, True)
+        assert "PID 800's: it or that owner had more fd entries than a poll reads" in finding.reason
+    else:
+        assert kind is expected
+        assert state.inheritance[next(iter(state.inheritance))] == ((owner, later),)
 
 
 def test_inheritance_state_is_bounded_and_dropped_with_its_lineage() -> None:

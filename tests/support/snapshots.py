@@ -317,9 +317,12 @@ class HostBuilder:
         self._absent.update(pids)
         return self
 
-    def sharing(self, holder: int, owner: int, shared: bool | None) -> HostBuilder:
-        """kcmp's answer: whether ``holder``'s device files are ``owner``'s own."""
-        self._sharing.append(FileSharing(holder=holder, owner=owner, shared=shared))
+    def sharing(
+        self, holder: int, owner: int, shared: bool | None, *, cut: bool = False
+    ) -> HostBuilder:
+        """kcmp's answer: whether ``holder``'s device files are ``owner``'s own (``cut``: a
+        poll's fd budget ran out first)."""
+        self._sharing.append(FileSharing(holder, owner, shared, cut))
         return self
 
     def at(self, monotonic: float) -> HostBuilder:

@@ -1019,6 +1019,7 @@ def test_state_round_trips_through_json() -> None:
         {"version": 2, "inheritance": {}},
         {"version": 2, "inheritance": [{"pid": 1, "start_ticks": 2}]},
         {"version": 2, "inheritance": [{"pid": 1, "start_ticks": 2, "owners": [[3, 4, 1]]}]},
+        {"version": 2, "inheritance": [{"pid": 1, "start_ticks": 2, "owners": [[3, 4, "cut"]]}]},
         {"version": 2, "inheritance": [{"pid": 1, "start_ticks": 2, "owners": [[3, 4]]}]},
         {"version": 2, "inheritance": [{"pid": 1, "start_ticks": 2, "owners": [[3, 4, True]] * 9}]},
         {"version": 1, "baselines": {"GPU-1": -1}},

@@ -486,14 +486,15 @@ TestEscalation = EscalationMachine.TestCase
 # `orphans_without_history` key on or off, and a leak from before the daemon watched. Every poll
 # runs assess() and plan() as the engine does. Invariant: no healthy process is ever signalled —
 # owners, shells, notebooks, workers of a live owner, and spawn workers whose own files kcmp
-# recorded. Only a forked worker of a dead owner may be (or, under today's rules without kcmp
-# evidence, a spawn worker whose parent died).
+# recorded, or a spawn worker whose fd table a poll's budget cut short ("flood": undecided).
+# Only a forked worker of a dead owner may be (or, under today's rules without kcmp evidence, a
+# spawn worker whose parent died).
 
 
 @dataclass
 class _Proc:
     pid: int
-    role: str  # shell, owner, fork, spawn, notebook
+    role: str  # shell, owner, fork, spawn, flood, notebook
     ppid: int
     sid: int
     gpu: int = 0
@@ -556,7 +557,7 @@ class InheritanceMachine(RuleBasedStateMachine):
             shell = self._new("shell", ppid=1, sid=None)
         self._new("owner", ppid=shell.pid, sid=shell.sid, gpu=gpu)
 
-    @rule(index=st.integers(0, 5), role=st.sampled_from(("fork", "spawn")))
+    @rule(index=st.integers(0, 5), role=st.sampled_from(("fork", "spawn", "flood")))
     def add_worker(self, index: int, role: str) -> None:
         owner = self._pick("owner", index)
         if owner is not None:
@@ -595,11 +596,13 @@ class InheritanceMachine(RuleBasedStateMachine):
                 holdings[p.pid] = model.DeviceHolding(p.pid, frozenset({0, 1}), ctl=True, uvm=True)
                 listed[p.gpu].append(model.NvmlProcess(p.pid, GIB, "compute"))
                 used[p.gpu] += GIB
-            elif p.role in ("fork", "spawn", "notebook"):
+            elif p.role in ("fork", "spawn", "flood", "notebook"):
                 holdings[p.pid] = model.DeviceHolding(p.pid, frozenset({p.gpu}), ctl=True, uvm=True)
             owner = self.procs.get(p.owner) if p.owner is not None else None
             if owner is not None and self.kcmp:
-                sharing.append(model.FileSharing(p.pid, owner.pid, p.role == "fork"))
+                cut = p.role == "flood"  # kcmp's read cut short by the fd budget
+                shared = None if cut else p.role == "fork"
+                sharing.append(model.FileSharing(p.pid, owner.pid, shared, cut))
         for pid, (gpu, listed_dead) in self.dead_owners.items():
             if self._pinned(pid):
                 used[gpu] += GIB
@@ -641,7 +644,7 @@ class InheritanceMachine(RuleBasedStateMachine):
         return (
             p.role in ("shell", "owner", "notebook")
             or owner_alive
-            or (p.role == "spawn" and p.recorded)
+            or (p.role in ("spawn", "flood") and p.recorded)
         )
 
     @rule(dt=st.sampled_from([0.5, 1.0, 5.0, 30.0]))

@@ -19,7 +19,7 @@ from gpuwatchd.core.model import (
 )
 from gpuwatchd.decide.assess.host_view import HostView, relation
 from gpuwatchd.decide.assess.shared import AssessorState, Outcome, mib
-from gpuwatchd.decide.assess.state import Lineage
+from gpuwatchd.decide.assess.state import Inheritance, Lineage
 from gpuwatchd.decide.floor import is_infrastructure
 from gpuwatchd.decide.patterns import command_text
 
@@ -177,6 +177,12 @@ class HolderPass(AssessorState):
                 "whether it owns a context there",
                 undecided=True,
             )
+        if cut := [o.pid for o, shared in self.recorded_inheritance(proc) if shared is None]:
+            return self.hidden(  # the rules below never see an answer cut short
+                f"{_HIDDEN}; kcmp could not compare its device files with PID {cut[0]}'s: it "
+                "or that owner had more fd entries than a poll reads",
+                undecided=True,
+            )
         return None
 
     def tied_to_dead_owner(self, proc: ProcessInfo, held: list[GpuInfo]) -> Outcome | None:
@@ -252,7 +258,7 @@ class HolderPass(AssessorState):
             )
         return None
 
-    def recorded_inheritance(self, proc: ProcessInfo) -> tuple[tuple[ProcessIdentity, bool], ...]:
+    def recorded_inheritance(self, proc: ProcessInfo) -> Inheritance:
         return self.inheritance.get(proc.identity, ()) if proc.identity is not None else ()
 
     def opened_own_files(self, proc: ProcessInfo, owner_pid: int) -> bool:

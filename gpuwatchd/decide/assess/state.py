@@ -18,8 +18,9 @@ from gpuwatchd.decide.health.state import HealthState
 MAX_INHERITANCE_PER_HOLDER = 8
 _C = TypeVar("_C", dict[object, object], list[object])
 
-# One holder's kcmp answers, recorded while each owner lived: (owner identity, shared?).
-Inheritance = tuple[tuple[ProcessIdentity, bool], ...]
+# One holder's kcmp answers, recorded while each owner lived: (owner identity, shared?); None:
+# cut short by a poll's fd budget (FileSharing.cut), the holder is undecided until answered.
+Inheritance = tuple[tuple[ProcessIdentity, bool | None], ...]
 
 
 @dataclass(frozen=True)
@@ -125,10 +126,11 @@ def _inheritance_entry(entry: object) -> tuple[ProcessIdentity, Inheritance]:
         raise ValueError(f"inheritance entry needs pid, start_ticks and owners: {entry!r}")
     if len(raw) > MAX_INHERITANCE_PER_HOLDER:
         raise ValueError(f"inheritance entry names too many owners: {entry!r}")
-    answers: list[tuple[ProcessIdentity, bool]] = []
+    answers: list[tuple[ProcessIdentity, bool | None]] = []
     for item in raw:
-        pair = [as_int(v) for v in item[:2]] if isinstance(item, list) and len(item) == 3 else []
-        if len(pair) != 2 or pair[0] is None or pair[1] is None or not isinstance(item[2], bool):
+        ok = isinstance(item, list) and len(item) == 3 and isinstance(item[2], bool | None)
+        pair = [as_int(v) for v in item[:2]] if ok else []
+        if len(pair) != 2 or pair[0] is None or pair[1] is None:
             raise ValueError(f"bad inheritance owner: {item!r}")
         answers.append((ProcessIdentity(pair[0], pair[1]), item[2]))
     return ProcessIdentity(pid, start), tuple(answers)
@@ -182,12 +184,12 @@ def update_inheritance(
     previous: Mapping[ProcessIdentity, Inheritance],
     lineage: Mapping[ProcessIdentity, Lineage],
 ) -> dict[ProcessIdentity, Inheritance]:
-    """Carry this boot's earlier kcmp answers forward and add this poll's definite ones; a
-    newer answer for the same owner replaces the older one."""
+    """Carry this boot's earlier kcmp answers forward and add this poll's definite ones and
+    those cut short (None); a newer answer for the same owner replaces the older one."""
     kept = {ident: dict(answers) for ident, answers in previous.items() if ident in lineage}
     for answer in host.snapshot.file_sharing:
         holder, owner = host.procs.get(answer.holder), host.procs.get(answer.owner)
-        if answer.shared is None or holder is None or owner is None:
+        if (answer.shared is None and not answer.cut) or holder is None or owner is None:
             continue
         if holder.identity is None or owner.identity is None or holder.identity not in lineage:
             continue

@@ -161,6 +161,11 @@ def _xids(n: int) -> dict[str, list[float]]:
         ({GPU0: {"xids": {"123456": [1, 1.0, 2.0]}}}, "xids.123456: expected Xid numbers"),
         ({GPU0: {"xids": {"x": [1, 1.0, 2.0]}}}, "xids.x: expected Xid numbers"),
         ({GPU0: {"details": {"\u00b2": {"wall": 1.0}}}}, "details.\u00b2: expected Xid numbers"),
+        # ASCII digits only: str.isdecimal() and int() take other scripts' (Arabic-Indic 13).
+        (
+            {GPU0: {"xids": {"\u0661\u0663": [1, 1.0, 2.0]}}},
+            "xids.\u0661\u0663: expected Xid numbers",
+        ),
         # A bad key is said before its bad value, in each of the three maps.
         ({GPU0: {"xids": {"x": []}}}, "xids.x: expected Xid numbers"),
         ({GPU0: {"details": {"x": []}}}, "details.x: expected Xid numbers"),

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, astuple, dataclass, field, replace
 
-from gpuwatchd.core.checked import number, obj, opt_number
+from gpuwatchd.core.checked import decimal, number, obj, opt_number
 from gpuwatchd.core.model import as_int
 
 MAX_XID_KINDS = 64  # distinct Xid numbers remembered per GPU; more is a storm of garbage
@@ -161,9 +161,10 @@ def _by_xid(entry: Mapping[str, object], what: str, name: str) -> Iterator[tuple
         raise ValueError(f"{what}.{name}: expected an object of at most {MAX_XID_KINDS}")
     for key, value in found.items():
         where = f"{what}.{name}.{key}"
-        if not isinstance(key, str) or not key.isdecimal() or len(key) > XID_DIGITS:
+        xid = decimal(key, XID_DIGITS) if isinstance(key, str) else None
+        if xid is None:
             raise ValueError(f"{where}: expected Xid numbers as keys")
-        yield int(key), value, where
+        yield xid, value, where
 
 
 def _opt_str(value: object, what: str, limit: int = 200) -> str | None:

@@ -67,7 +67,7 @@ def opt_name(value: object, what: str) -> str | None:
 
 
 def by_name(value: object, what: str) -> Mapping[str, object]:
-    """An object keyed by names (kill-cap scopes), each key read as :func:`name`."""
+    """An object keyed by names (the plan's keys), each key read as :func:`name`."""
     found = obj(value, what)
     for key in found:
         name(key, what)

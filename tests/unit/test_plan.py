@@ -43,6 +43,7 @@ from gpuwatchd.decide.plan.intents import HookIntent, PlanResult, ResetIntent, k
 from gpuwatchd.decide.plan.outcomes import record_exit, record_reset, record_signal
 from gpuwatchd.decide.plan.shadow import DryShadow
 from gpuwatchd.decide.plan.state import (
+    HealthWait,
     Ladder,
     Latch,
     MigUnfinished,
@@ -1534,21 +1535,54 @@ def test_a_saved_reason_of_any_size_is_read_cut_and_the_rest_of_the_plan_with_it
             "7@70": replace(_SAVED_LADDER, rule=name)})),
         ("plan.ladders.7@70.user", lambda name: PlanState(ladders={
             "7@70": replace(_SAVED_LADDER, user=name)})),
+        ("plan.ladders.7@70.finding", lambda name: PlanState(ladders={
+            "7@70": replace(_SAVED_LADDER, finding_key=name)})),
+        ("plan.ladders.7@70.gpu", lambda name: PlanState(ladders={
+            "7@70": replace(_SAVED_LADDER, gpu=name)})),
         ("plan.scope_latches", lambda name: PlanState(scope_latches={name: Latch("cap", 1.0)})),
         ("plan.shadow.latches", lambda name: PlanState(shadow=DryShadow(latches={
             name: ("cap", 1.0)}))),
+        # Every key and identifier the plan saves is a name: the daemon's are short (finding
+        # keys of kind, GPU UUID and pid@start_ticks; GPU and MIG UUIDs; uid:N scopes).
+        ("plan.boot_id", lambda name: PlanState(boot_id=name)),
+        ("plan.seen", lambda name: PlanState(seen={name: SeenFinding(1.0, "d", None, None)})),
+        ("plan.seen.k.gpu", lambda name: PlanState(seen={"k": SeenFinding(1.0, "d", name, None)})),
+        ("plan.notes", lambda name: PlanState(notes={name: "quiet"})),
+        ("plan.health_waits.g.finding", lambda name: PlanState(health_waits={
+            "g": HealthWait(name, 1.0, False)})),
+        ("plan.reset_refusals", lambda name: PlanState(reset_refusals={
+            name: ResetRefusal("k", "busy", False, 1.0)})),
+        ("plan.reset_refusals.g.finding", lambda name: PlanState(reset_refusals={
+            "g": ResetRefusal(name, "busy", False, 1.0)})),
+        ("plan.mig_unfinished.m.gpu", lambda name: PlanState(mig_unfinished={
+            "m": MigUnfinished(name, 1, 19, 6, 1, 1.0, "failed")})),
     ],
 )  # fmt: skip
 def test_a_saved_name_events_carry_whole_is_refused_past_a_policy_string_s_length(
     place: str, saved: Callable[[str], PlanState]
 ) -> None:
-    """A ladder's rule and user and a kill-cap scope reach events whole (a signal's rule, an
-    expired latch's scope): one longer than a policy's strings may be (MAX_STRING) is damage,
-    refused naming its place as other malformed values are (cut, it would name another)."""
+    """A ladder's rule, user, finding and GPU, a kill-cap scope, a refused reset's GPU and
+    finding reach events whole (a signal's rule, an expired latch's scope, a cleared refusal):
+    one longer than a policy's strings may be (MAX_STRING) is damage, refused naming its place
+    as other malformed values are (cut, it would name another)."""
     kept = "n" * MAX_STRING
     assert PlanState.from_json(json.loads(json.dumps(saved(kept).to_json()))) == saved(kept)
     with pytest.raises(ValueError, match=rf"^{place}: 'n+\.\.\. is longer than {MAX_STRING} char"):
         PlanState.from_json(json.loads(json.dumps(saved(kept + "n").to_json())))
+
+
+def test_a_saved_ladder_s_target_is_a_name_as_its_key_is() -> None:
+    """JSON reads integers of up to 4,300 digits: a target ``pid@start_ticks`` of two such
+    (its key too) is refused past MAX_STRING, as every name events carry."""
+    digits = int("7" * (MAX_STRING // 2))
+    lad = replace(_SAVED_LADDER, target=f"{digits}@{digits // 10}", pid=digits,
+                  start_ticks=digits // 10)  # fmt: skip
+    assert PlanState.from_json(PlanState(ladders={lad.target: lad}).to_json()).ladders == {
+        lad.target: lad
+    }
+    longer = replace(lad, target=f"{digits}@{digits}", start_ticks=digits)
+    with pytest.raises(ValueError, match=rf"^plan.ladders: '7+\.\.\. is longer than {MAX_STRING}"):
+        PlanState.from_json(PlanState(ladders={longer.target: longer}).to_json())
 
 
 def test_ladder_follows_the_process_when_its_finding_changes_kind() -> None:

@@ -238,8 +238,8 @@ class _Form(Generic[_T]):
 
 
 def _each(read: Callable[[object, str], _T], value: object, what: str) -> dict[str, _T]:
-    """The saved object ``value``, each of its values read by ``read``."""
-    return {key: read(item, f"{what}.{key}") for key, item in obj(value, what).items()}
+    """The saved object ``value`` keyed by names, each of its values read by ``read``."""
+    return {key: read(item, f"{what}.{key}") for key, item in by_name(value, what).items()}
 
 
 def _opt_int(value: object, what: str) -> int | None:
@@ -247,7 +247,7 @@ def _opt_int(value: object, what: str) -> int | None:
 
 
 # PlanState's own scalar fields ("reset_failures" is also checked to be >= 0).
-_SCALARS = _Form(PlanState, {"boot_id": opt_text, "reset_failures": integer,
+_SCALARS = _Form(PlanState, {"boot_id": opt_name, "reset_failures": integer,
                  # absent in older state files: unknown, lifted by any resume --clear-latches
                  "last_failure": opt_number,
                  "circuit_open": flag, "forced_dry_run": flag, "forced_reason": opt_reason,
@@ -261,17 +261,17 @@ _SCALARS = _Form(PlanState, {"boot_id": opt_text, "reset_failures": integer,
                  {"reset_failures": 0, "circuit_open": False, "forced_dry_run": False,
                   "paused": False})  # fmt: skip
 _SEEN = _Form(
-    SeenFinding, {"first_seen": number, "digest": text, "gpu": opt_text, "target": opt_text}
+    SeenFinding, {"first_seen": number, "digest": text, "gpu": opt_name, "target": opt_text}
 )
 _IN_FLIGHT = _Form(ResetInFlight, {"gpu": text, "finding=finding_key": text, "dry_run": flag,
                    "since": number, "delay": number}, {"delay": 0.0})  # fmt: skip
 _LATCH = _Form(Latch, {"reason": reason, "since": number, "since_monotonic": opt_number})
-_HEALTH_WAIT = _Form(HealthWait, {"finding=finding_key": text, "since": number,
+_HEALTH_WAIT = _Form(HealthWait, {"finding=finding_key": name, "since": number,
                      "dry_run": flag, "expired": flag}, {"expired": False})  # fmt: skip
-_REFUSAL = _Form(ResetRefusal, {"finding=finding_key": text, "reason": reason, "in_use": flag,
+_REFUSAL = _Form(ResetRefusal, {"finding=finding_key": name, "reason": reason, "in_use": flag,
                  "since": number, "allocated": _opt_int, "dry_run": flag, "held": flag},
                  {"dry_run": False, "held": False})  # fmt: skip
-_UNFINISHED = _Form(MigUnfinished, {"gpu": text, "gi": integer, "profile": integer,
+_UNFINISHED = _Form(MigUnfinished, {"gpu": name, "gi": integer, "profile": integer,
                     "placement": integer, "size": integer, "since": number,
                     "outcome": reason})  # fmt: skip
 
@@ -295,7 +295,7 @@ def _steps(value: object, what: str) -> tuple[tuple[str | None, float], ...]:
 
 # "user" is absent in older state files: unknown. "status" is checked with "step" (_ladder).
 _LADDER = _Form(Ladder, {"target": text, "pid": integer, "start_ticks": integer,
-                "finding=finding_key": text, "rule": name, "gpu": opt_text, "steps": _steps,
+                "finding=finding_key": name, "rule": name, "gpu": opt_name, "steps": _steps,
                 "step": integer, "due": opt_number, "status": text, "dry_run": flag,
                 "started": number, "user": opt_name})  # fmt: skip
 

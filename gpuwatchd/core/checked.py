@@ -66,9 +66,11 @@ def opt_name(value: object, what: str) -> str | None:
     return None if value is None else name(value, what)
 
 
-def by_name(value: object, what: str) -> Mapping[str, object]:
-    """An object keyed by names (the plan's keys), each key read as :func:`name`."""
+def by_name(value: object, what: str, limit: int | None = None) -> Mapping[str, object]:
+    """An object keyed by names (at most ``limit``, when given), each key read as :func:`name`."""
     found = obj(value, what)
+    if limit is not None and len(found) > limit:
+        raise ValueError(f"{what}: expected an object of at most {limit}")
     for key in found:
         name(key, what)
     return found

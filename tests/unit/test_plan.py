@@ -41,7 +41,7 @@ from gpuwatchd.decide.plan.decisions import (
 )
 from gpuwatchd.decide.plan.intents import HookIntent, PlanResult, ResetIntent, kill_cap_scope
 from gpuwatchd.decide.plan.outcomes import record_exit, record_reset, record_signal
-from gpuwatchd.decide.plan.shadow import DryShadow
+from gpuwatchd.decide.plan.shadow import MAX_ENTRIES, DryShadow
 from gpuwatchd.decide.plan.state import (
     HealthWait,
     Ladder,
@@ -1583,6 +1583,18 @@ def test_a_saved_ladder_s_target_is_a_name_as_its_key_is() -> None:
     longer = replace(lad, target=f"{digits}@{digits}", start_ticks=digits)
     with pytest.raises(ValueError, match=rf"^plan.ladders: '7+\.\.\. is longer than {MAX_STRING}"):
         PlanState.from_json(PlanState(ladders={longer.target: longer}).to_json())
+
+
+def test_a_saved_plan_holds_as_many_kill_cap_latches_as_its_shadow_would_be_ones() -> None:
+    """One latch per kill-cap scope (a user): no more than the dry-run shadow keeps
+    (MAX_ENTRIES), so ``limits.latches_cleared`` lists at most as many."""
+    latches = {f"uid:{uid}": Latch("cap", 1.0) for uid in range(MAX_ENTRIES)}
+    assert PlanState.from_json(PlanState(scope_latches=latches).to_json()).scope_latches == latches
+    latches["uid:unknown"] = Latch("cap", 1.0)
+    with pytest.raises(
+        ValueError, match=f"^plan.scope_latches: expected an object of at most {MAX_ENTRIES}$"
+    ):
+        PlanState.from_json(PlanState(scope_latches=latches).to_json())
 
 
 def test_ladder_follows_the_process_when_its_finding_changes_kind() -> None:

@@ -34,7 +34,7 @@ from gpuwatchd.core.checked import (
 from gpuwatchd.core.codec import Reader
 from gpuwatchd.core.model import fields_of
 from gpuwatchd.core.vocabulary import PLAN_STATE_VERSION, LadderStatus
-from gpuwatchd.decide.plan.shadow import DryShadow
+from gpuwatchd.decide.plan.shadow import MAX_ENTRIES, DryShadow
 from gpuwatchd.decide.policy import SIGNAL_NAMES
 
 _T = TypeVar("_T")
@@ -346,7 +346,7 @@ _PARTS: dict[str, tuple[Callable[[Any], object], Reader, object]] = {
     "signal_scopes": (dict, partial(_each, name), {}),
     "scope_latches": (
         _LATCH.dump_all,
-        lambda value, what: _LATCH.load_all(by_name(value, what), what),
+        lambda value, what: _LATCH.load_all(by_name(value, what, MAX_ENTRIES), what),
         {},
     ),
     "health_waits": (_HEALTH_WAIT.dump_all, _HEALTH_WAIT.load_all, {}),

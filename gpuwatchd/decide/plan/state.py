@@ -83,7 +83,8 @@ class ResetInFlight:
 
 @dataclass(frozen=True)
 class HealthWait:
-    """A health reset waiting for its GPU's users to finish, per GPU UUID (docs/internals.md)."""
+    """A health reset waiting for its GPU's users to finish (drain, then reset), per GPU UUID:
+    ``since`` (monotonic) the drain began; ``expired`` once past ``health.drain_timeout``."""
 
     finding_key: str
     since: float
@@ -106,7 +107,8 @@ class ResetRefusal:
 
 @dataclass(frozen=True)
 class MigUnfinished:
-    """A MIG GPU instance (by MIG UUID) whose re-creation may be half done (docs/internals.md)."""
+    """A MIG GPU instance (by MIG UUID) whose re-creation failed after its commands started:
+    its GPU is not clean until a snapshot shows its GI ``profile`` at its ``placement`` again."""
 
     gpu: str
     gi: int
@@ -119,7 +121,8 @@ class MigUnfinished:
 
 @dataclass(frozen=True)
 class Latch:
-    """A kill-cap latch: why, since when (wall time), its monotonic anchor (docs/internals.md)."""
+    """A kill-cap latch: why, since when (wall time), and its monotonic anchor (None until
+    anchored: after a reboot, or from an older state file)."""
 
     reason: str
     since: float

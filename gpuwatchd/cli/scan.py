@@ -254,12 +254,12 @@ def _scan_host(
     said = None if state_dir is None else daemon_section(state_dir, saved, plan, policy, snapshot)
     if said is not None:
         report["daemon"] = said
-    note = _permission_note(policy, snapshot)
+    note, reading = _permission_note(policy, snapshot), snapshot.nvml
     return ScanResult(
         report,
         error=error,
         permission_note=note,
-        wedged=snapshot.nvml.wedged,
+        wedged=reading.wedged,
         verdict=verdict,
         state_unread=unread,
     )

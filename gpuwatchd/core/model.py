@@ -375,6 +375,11 @@ class NvmlReading:
     driver_version: str | None = None
     gpus: tuple[GpuInfo, ...] = ()
 
+    @property
+    def answered(self) -> bool:
+        """NVML was there and answered in time: what it says of the GPUs can be believed."""
+        return self.available and not self.wedged
+
 
 # --- the snapshot -----------------------------------------------------------------------------
 

@@ -357,7 +357,7 @@ class _StateGauges:
         )
 
     def update(self, report: PollReport, *, dry_run: bool, policy_rejected: bool) -> None:
-        state, nvml = report.plan, report.snapshot.nvml
+        state, reading = report.plan, report.snapshot.nvml
         kinds = Tally(f.kind.value for f in report.assessment.findings)
         for kind in FindingKind:
             self.findings.labels(kind.value).set(kinds[kind.value])
@@ -370,8 +370,8 @@ class _StateGauges:
         flags["paused"].set(state.paused)
         flags["kill_cap_latched"].set(state.forced_dry_run)
         flags["reset_circuit_open"].set(state.circuit_open)
-        flags["nvml_wedged"].set(nvml.wedged)
-        flags["nvml_unavailable"].set(not nvml.available)
+        flags["nvml_wedged"].set(reading.wedged)
+        flags["nvml_unavailable"].set(not reading.available)
         ends = state.paused_until if state.paused else None
         self.paused_until.set(0.0 if ends is None else ends)
 

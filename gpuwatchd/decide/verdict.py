@@ -323,10 +323,10 @@ class _Judge:
         return sorted(self.holdings.get(minor, []) + node_only, key=lambda item: item[0])
 
     def verdict(self, unfinished: Mapping[str, str]) -> NodeVerdict:
-        nvml = self.snapshot.nvml
-        if not nvml.available:
-            return NodeVerdict((), nvml.error or "NVIDIA driver/NVML not available")
-        if nvml.wedged:
+        reading = self.snapshot.nvml
+        if not reading.available:
+            return NodeVerdict((), reading.error or "NVIDIA driver/NVML not available")
+        if reading.wedged:
             return NodeVerdict((), "NVML did not answer within nvml_timeout (driver wedged?)")
         self.add_findings()
         # A MIG GPU instance whose re-creation stopped halfway (plan's ``mig_unfinished``): the

@@ -77,8 +77,7 @@ def _without_gone_instances(learned: dict[str, int], host: HostView) -> dict[str
     """``learned`` less the baselines of MIG GPU instances NVML no longer shows (a re-created
     instance has a new name, so they would pile up). Nothing is dropped while NVML cannot be
     read."""
-    nvml = host.snapshot.nvml
-    if not nvml.available or nvml.wedged:
+    if not host.snapshot.nvml.answered:
         return learned
     present = {gpu.uuid for gpu in host.gpus}
     return {

@@ -97,11 +97,11 @@ def _pid_trust_problem(
 
 
 def _report_only(host: HostView, trust_problem: str | None) -> dict[str, str]:
-    snapshot = host.snapshot
+    snapshot, reading = host.snapshot, host.snapshot.nvml
     node: list[str] = []
-    if not snapshot.nvml.available:
-        node.append(f"NVML unavailable: {snapshot.nvml.error or 'no driver'}")
-    if snapshot.nvml.wedged:
+    if not reading.available:
+        node.append(f"NVML unavailable: {reading.error or 'no driver'}")
+    if reading.wedged:
         node.append("NVML is wedged (a call missed its deadline): no destructive action")
     if snapshot.mps_server_running:
         node.append("an MPS server is running: clients' contexts live in the server")
@@ -161,9 +161,9 @@ class AssessorState:
         self.inheritance = update_inheritance(host, kept.inheritance, self.lineage)
         self.baselines = learn_baselines(host, previous.baselines, detection)
         self.owners = update_owners(host, kept.owners, self.lineage)
-        since, nvml = kept.unaccounted_since, snapshot.nvml
+        since = kept.unaccounted_since
         gpus = {gpu.uuid: gpu for gpu in host.gpus}
-        unread = not nvml.available or nvml.wedged
+        unread = not snapshot.nvml.answered
         # A poll that cannot tell whether the memory is still unowned ends nothing.
         self.unaccounted_since = {
             uuid: at

@@ -41,9 +41,10 @@ from gpuwatchd.decide.targets import gpu_by_uuid, gpu_protected
 
 def node_block(snapshot: Snapshot) -> str | None:
     """Why no action may be taken on this node this poll (NVML, namespaces); None: none."""
-    if not snapshot.nvml.available:
+    reading = snapshot.nvml
+    if not reading.available:
         return "NVML unavailable"
-    if snapshot.nvml.wedged:
+    if reading.wedged:
         return "NVML is wedged (a call missed its deadline)"
     if snapshot.host_namespaces is not True:
         return "host PID/cgroup namespaces not visible"

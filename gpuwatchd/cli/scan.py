@@ -257,9 +257,9 @@ def _scan_host(
     note, reading = _permission_note(policy, snapshot), snapshot.nvml
     return ScanResult(
         report,
+        wedged=reading.wedged,
         error=error,
         permission_note=note,
-        wedged=reading.wedged,
         verdict=verdict,
         state_unread=unread,
     )

@@ -46,13 +46,11 @@ REAP_GRACE = 0.2  # seconds to wait for a SIGKILLed worker to disappear
 BACKOFF_MAX = 60.0  # seconds: the longest wait before a failed read is tried again
 WORKER_FILE = NVML_WORKER_FILE
 MEMORY_V1_NOTICE = "memory_v1"  # nvml_worker's (the worker imports nothing from gpuwatchd)
-WORKER_CWD = "/"
 # All the worker inherits of our environment (the real libnvidia-ml reads none of it):
 # LD_LIBRARY_PATH for a driver outside the loader's cache, FAKENVML_* for the test double.
 _INHERITED_NAMES = frozenset({"PATH", "LD_LIBRARY_PATH"})
 _INHERITED_PREFIXES = ("FAKENVML_",)
 _DEFAULT_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
-LAUNCHER_FILE = NVML_LAUNCHER_FILE
 # A reply line longer than this is no worker's: 64 GPUs of 4,096 processes each take ~40 MiB.
 MAX_REPLY = 64 << 20
 
@@ -85,7 +83,7 @@ def library_folders(search_path: Sequence[str], cwd: str | None) -> list[str]:
 
 
 def worker_command(python: str, folders: Sequence[str], worker: str = WORKER_FILE) -> list[str]:
-    return [python, "-I", LAUNCHER_FILE, worker, *folders]
+    return [python, "-I", NVML_LAUNCHER_FILE, worker, *folders]
 
 
 def wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> bool:
@@ -238,7 +236,7 @@ class NvmlClient:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=worker_environment(os.environ, self._env),
-            cwd=WORKER_CWD,
+            cwd="/",
             close_fds=True,
             bufsize=0,
         )
@@ -360,12 +358,11 @@ class NvmlClient:
     def _to_reading(self, reply: Mapping[str, Any]) -> NvmlReading:
         # A GPU whose part of the reply equals the last poll's gets the same GpuInfo back.
         last = self._decoded
-        decoded = [
+        self._decoded = [
             (raw, last[i][1] if i < len(last) and last[i][0] == raw else decode_gpu(raw))
             for i, raw in enumerate(items(reply.get("gpus") or [], "gpus"))
         ]
-        self._decoded = decoded
-        gpus = tuple(gpu for _, gpu in decoded)
+        gpus = tuple(gpu for _, gpu in self._decoded)
         for notice in map(as_map, items(reply.get("notices") or [], "notices")):
             if notice.get("notice") != MEMORY_V1_NOTICE:
                 continue

@@ -32,7 +32,6 @@ from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.holders import DeviceFiles, HolderScanner
 from gpuwatchd.collect.jobs import cgroup2_mount
 from gpuwatchd.collect.nvml import (
-    LAUNCHER_FILE,
     WORKER_FILE,
     NvmlClient,
     library_folders,
@@ -47,6 +46,7 @@ from gpuwatchd.core.model import (
     NvmlProcess,
     NvmlReading,
 )
+from gpuwatchd.core.paths import NVML_LAUNCHER_FILE
 from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.decide.assess.passes import assess
 from gpuwatchd.decide.assess.state import AssessState
@@ -206,7 +206,7 @@ def test_worker_runs_isolated_in_the_root_folder_with_only_what_nvml_needs(
     names = {entry.split(b"=", 1)[0].decode() for entry in raw.split(b"\0") if entry}
     assert cwd == "/"
     assert names == {"PATH", "LD_LIBRARY_PATH", "FAKENVML_STATE", "FAKENVML_DEVICES_DIR"}
-    assert cmdline[1:3] == ["-I", LAUNCHER_FILE]
+    assert cmdline[1:3] == ["-I", NVML_LAUNCHER_FILE]
     assert WORKER_FILE in cmdline
     assert not any("\n" in arg for arg in cmdline)  # one readable line in systemctl status
 

@@ -29,7 +29,6 @@ from gpuwatchd.core.procstat import StatFields, parse_stat
 from gpuwatchd.decide.floor import claims_infrastructure, names_infrastructure_unit
 from gpuwatchd.decide.patterns import MAX_COMMAND_TEXT
 
-_CAP_SYS_ADMIN = 21  # reads trusted.* extended attributes (the delegation mark)
 DEFAULT_PID_MAX = 4194304
 # Inode numbers of the initial namespaces, fixed by the kernel (include/linux/proc_ns.h).
 PROC_PID_INIT_INO = 0xEFFFFFFC
@@ -139,10 +138,8 @@ class ProcFS:
             return pids
         cgroup_ns = _ns_link(f"{self.root}/self/ns/cgroup")
         if isinstance(cgroup_ns, FileNotFoundError):
-            cgroup_ns = PROC_CGROUP_INIT_INO
-        if isinstance(cgroup_ns, OSError):
-            return None
-        return cgroup_ns == PROC_CGROUP_INIT_INO
+            return True
+        return None if isinstance(cgroup_ns, OSError) else cgroup_ns == PROC_CGROUP_INIT_INO
 
     def sees_host_pids(self) -> bool | None:
         """Whether this process, and ``<root>/1`` where readable, are in the host's (initial)
@@ -231,11 +228,8 @@ class ProcFS:
             return None
         uid, nspid, vanished = read_ids(base)
         kernel_thread = fields is not None and fields.kernel_thread
-        cmdline: tuple[str, ...] | None = ()
-        exe: str | None = None
-        if not kernel_thread:
-            cmdline, exe, gone = _read_command(base)
-            vanished |= gone
+        cmdline, exe, gone = ((), None, False) if kernel_thread else _read_command(base)
+        vanished |= gone
         cgroup: CgroupInfo | None = None
         try:
             cgroup = parse_cgroup(_read_text(f"{base}/cgroup"))
@@ -243,10 +237,10 @@ class ProcFS:
             vanished |= err.errno in GONE_ERRNOS
         if vanished:  # something was missing: gone for good, or a new process on this PID?
             again = self.stat_unless_gone(pid)
-            if again is False:
+            if again is False or (again and fields and again.starttime != fields.starttime):
                 return None
-            if fields is not None and again is not None and again.starttime != fields.starttime:
-                return None
+        if not kernel_thread and cgroup is not None and names_infrastructure_unit(cgroup):
+            cgroup = dataclasses.replace(cgroup, delegated=self.delegated(cgroup.path))
         info = ProcessInfo(
             pid=pid,
             start_ticks=fields.starttime if fields else None,
@@ -265,9 +259,6 @@ class ProcFS:
         )
         if not kernel_thread and claims_infrastructure(info.names):
             info = dataclasses.replace(info, exe_trusted=self.exe_trusted(pid, exe))
-        if not kernel_thread and cgroup is not None and names_infrastructure_unit(cgroup):
-            marked = dataclasses.replace(cgroup, delegated=self.delegated(cgroup.path))
-            info = dataclasses.replace(info, cgroup=marked)
         return info
 
     def delegated(self, path: str) -> bool | None:
@@ -279,7 +270,7 @@ class ProcFS:
                 mountinfo = _read_text(f"{self.root}/self/mountinfo")
             except OSError:
                 mountinfo = ""
-            blind = missing_capabilities(self.root, {"CAP_SYS_ADMIN": _CAP_SYS_ADMIN})
+            blind = missing_capabilities(self.root, {"CAP_SYS_ADMIN": 21})
             self._systemd_mount = None if blind else parse_systemd_mount(mountinfo)
             self._systemd_mount_read = True
         mount = self._systemd_mount

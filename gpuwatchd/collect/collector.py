@@ -376,8 +376,7 @@ def _processes_of(
 ) -> dict[int, ProcessInfo]:
     """The snapshot's processes: the listed ones, ``wanted`` and their ancestors (for process
     trees), never our own; the facts read this poll are remembered for the next."""
-    processes = dict(live_listed)
-    processes.update(c._read_processes(wanted - processes.keys() - poll.self_pids))
+    processes = {**live_listed, **c._read_processes(wanted - live_listed.keys() - poll.self_pids)}
     found = processes
     for _ in range(_MAX_ANCESTRY):
         frontier = [p.ppid for p in found.values() if p.ppid]

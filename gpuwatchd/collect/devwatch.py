@@ -116,14 +116,11 @@ class DeviceWatch:
                     decoded = os.fsdecode(name)
                     if decoded == CAPS_FOLDER or match_device_name(decoded) is not None:
                         rewatch = True
-                        in_caps = wd == self._caps_wd
-                        created.add(f"{CAPS_FOLDER}/{decoded}" if in_caps else decoded)
+                        created.add(f"{CAPS_FOLDER}/{decoded}" if wd == self._caps_wd else decoded)
                 elif mask & IN_OPEN:
                     opened += 1
-        rewatched = 0
-        if rewatch or self._stale:
-            # Lost events may have been a replaced file's IN_CREATE: watch each one again.
-            rewatched = self._watch_present(created, again=overflow)
+        # Lost events may have been a replaced file's IN_CREATE: watch each one again.
+        rewatched = self._watch_present(created, again=overflow) if rewatch or self._stale else 0
         return WatchNews(
             available=not self._incomplete,
             changed=bool(opened or overflow or rewatched or rewatch),

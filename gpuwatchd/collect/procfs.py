@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import os
 import pwd
 import stat
@@ -99,8 +100,6 @@ class ProcFS:
         self.root = root.rstrip("/") or "/"
         self._users: dict[int, str | None] = {}
         self._has_children_files: bool | None = None
-        self._systemd_mount: str | None = None  # where systemd's cgroups are (read once)
-        self._systemd_mount_read = False
         self._boot_id: str | None = None
         self._real_proc = is_procfs(self.root)  # its boot_id is read once
         try:
@@ -265,16 +264,16 @@ class ProcFS:
         """Whether systemd marked cgroup ``path`` or one above it as delegated, in the hierarchy
         ``self/mountinfo`` says systemd keeps; None when unreadable, or without CAP_SYS_ADMIN
         (the kernel then hides ``trusted.delegate``)."""
-        if not self._systemd_mount_read:
-            try:
-                mountinfo = _read_text(f"{self.root}/self/mountinfo")
-            except OSError:
-                mountinfo = ""
-            blind = missing_capabilities(self.root, {"CAP_SYS_ADMIN": 21})
-            self._systemd_mount = None if blind else parse_systemd_mount(mountinfo)
-            self._systemd_mount_read = True
-        mount = self._systemd_mount
-        return None if mount is None else delegation_mark(mount, path)
+        return None if self._systemd_mount is None else delegation_mark(self._systemd_mount, path)
+
+    @functools.cached_property
+    def _systemd_mount(self) -> str | None:
+        try:
+            mountinfo = _read_text(f"{self.root}/self/mountinfo")
+        except OSError:
+            mountinfo = ""
+        blind = missing_capabilities(self.root, {"CAP_SYS_ADMIN": 21})
+        return None if blind else parse_systemd_mount(mountinfo)
 
     def exe_trusted(self, pid: int, exe: str | None) -> bool | None:
         """Whether the program ``pid`` runs is one only root can have put where it is: the

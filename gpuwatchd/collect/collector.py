@@ -154,8 +154,7 @@ class Collector:
         poll = _Poll(reading, now, listed, self_pids, news)
         holders, live_listed = _scan_holders(self, poll, live_listed, full=full)
         holding_pids = _note_holders(self, poll, holders)
-        wanted = holding_pids | set(holders.unreadable)
-        processes = _processes_of(self, poll, live_listed, wanted)
+        processes = _processes_of(self, poll, live_listed, holding_pids | holders.unreadable)
         return _snapshot(
             self, poll, holders, live_listed, processes=processes, holding_pids=holding_pids
         )

@@ -132,8 +132,7 @@ class DeviceWatch:
     def _add(self, path: str, mask: int) -> int:
         if self._libc is None or self._fd is None:
             return -1
-        wd: int = self._libc.inotify_add_watch(self._fd, os.fsencode(path), mask)
-        return wd
+        return int(self._libc.inotify_add_watch(self._fd, os.fsencode(path), mask))
 
     def _add_folder(self, path: str) -> int | None:
         wd = self._add(path, IN_CREATE | IN_MOVED_TO | IN_ONLYDIR)

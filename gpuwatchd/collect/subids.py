@@ -80,6 +80,5 @@ class SubUidFile:
                 return self._ranges
             if len(raw) > MAX_BYTES:  # a line cut at the bound is no range: up to the last whole
                 raw = raw[: raw.rfind(b"\n", 0, MAX_BYTES) + 1]
-            text = raw.decode("utf-8", errors="replace")
-            self._key, self._ranges = key, parse_subuid(text)
+            self._key, self._ranges = key, parse_subuid(raw.decode("utf-8", errors="replace"))
         return self._ranges

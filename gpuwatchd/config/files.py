@@ -231,11 +231,7 @@ def _unsafe(path: str, *, allow_sticky: bool) -> ConfigError | None:
             path=path,
         )
     sticky = allow_sticky and stat.S_ISDIR(info.st_mode) and info.st_mode & stat.S_ISVTX
-    if (
-        info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-        and not sticky
-        and not _read_only_everywhere(path)
-    ):
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not (sticky or _read_only_everywhere(path)):
         return ConfigError(
             f"writable by group or others (mode {stat.S_IMODE(info.st_mode):04o}); gpuwatchd runs "
             f"the commands its config names as root. Fix: chmod go-w {path}",

@@ -317,14 +317,12 @@ def parse_policy_documents(docs: Sequence[tuple[str, str]]) -> Policy:
             continue
         merged = _merge(merged, document, problems, drop_in=index > 0)
     sources = tuple(name for name, _ in docs)
-    fields = _read_fields(_Section(merged, "", problems, ""))
-    policy = Policy(**fields, sources=sources)
+    policy = Policy(**_read_fields(_Section(merged, "", problems, "")), sources=sources)
     if problems:
         order = {name: index for index, name in enumerate(sources)}
         problems.sort(key=lambda p: (order.get(p.path or "", -1), p.line or 0))
         raise ConfigError.combine(problems)
-    too_large = _too_large_written_out(policy)
-    if too_large is not None:
+    if (too_large := _too_large_written_out(policy)) is not None:
         raise ConfigError(too_large, path=sources[0])
     return policy
 

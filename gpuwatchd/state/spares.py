@@ -123,7 +123,7 @@ def _spare(data: Mapping[str, Any], name: str, clock: BootTime) -> tuple[Spare, 
         if not clock.same_boot(data):
             raise ValueError("a process of another boot")
     reason = data.get("reason")
-    spare = Spare(
+    return Spare(
         target=target,
         until=clock.wall + left,
         reason=str(reason)[:MAX_REASON] if isinstance(reason, str) else "",
@@ -132,8 +132,7 @@ def _spare(data: Mapping[str, Any], name: str, clock: BootTime) -> tuple[Spare, 
         job=job,
         since=as_number(data.get("since")),
         by_uid=data["by_uid"],
-    )
-    return spare, left
+    ), left
 
 
 def read_spares(

@@ -115,8 +115,7 @@ def read_config_file(path: str) -> str:
     """The text of the regular file ``path`` (a link to one is followed; its name UTF-8), by
     :func:`read_regular_file`; ConfigError for anything else, naming the line of bytes that are
     not UTF-8."""
-    problem = _not_utf8_name(path) or _not_regular(path)
-    if problem is not None:
+    if (problem := _not_utf8_name(path) or _not_regular(path)) is not None:
         raise problem
     try:
         data = read_regular_file(path, MAX_DOCUMENT_BYTES)
@@ -155,13 +154,11 @@ class FileTooLarge(OSError):
 def read_regular_file(path: str, limit: int) -> bytes:
     """The bytes of the regular file ``path``, at most ``limit`` (docs/internals.md). Raises
     FileNotFoundError, NotARegularFile, FileTooLarge or another OSError."""
-    kind = _kind(os.stat(path).st_mode)
-    if kind is not None:
+    if (kind := _kind(os.stat(path).st_mode)) is not None:
         raise NotARegularFile(kind)
     fd = os.open(path, _OPEN_FLAGS)
     try:
-        kind = _kind(os.fstat(fd).st_mode)
-        if kind is not None:
+        if (kind := _kind(os.fstat(fd).st_mode)) is not None:
             raise NotARegularFile(kind)
         chunks, most = [], limit + 1  # one byte past the limit tells a larger file
         while most > 0 and (chunk := os.read(fd, min(1 << 20, most))):

@@ -373,8 +373,7 @@ def _read_signal(node: Node) -> str | None:
     if value is None:
         return None
     if isinstance(value, str):
-        name = value.strip().upper()
-        name = name if name.startswith("SIG") else "SIG" + name
+        name = "SIG" + value.strip().upper().removeprefix("SIG")
         if name in SIGNAL_NAMES:
             return name
     hint = did_you_mean(str(value).upper(), SIGNAL_NAMES) if isinstance(value, str) else ""

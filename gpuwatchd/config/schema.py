@@ -104,10 +104,8 @@ def _merge_rules(base: Node | None, over: Seq, problems: list[ConfigError]) -> S
         slot = next((i for i, (old, _) in enumerate(merged) if name and old == name), None)
         if slot is None:
             merged.append((name, item))
-            continue
-        old = merged[slot][1]
-        # Field by field, like any mapping: {name: orphans, for: 10s} changes one field.
-        if isinstance(old, Map) and isinstance(item, Map):
+        elif isinstance(old := merged[slot][1], Map) and isinstance(item, Map):
+            # Field by field, like any mapping: {name: orphans, for: 10s} changes one field.
             merged[slot] = (name, _merge(old, item, problems))
         else:
             merged[slot] = (name, item)

@@ -183,8 +183,7 @@ def _not_regular(path: str) -> ConfigError | None:
                 path=path,
             )
         return ConfigError(
-            "configuration file not found (the shipped example is config/gpuwatchd.yaml)",
-            path=path,
+            "configuration file not found (the shipped example is config/gpuwatchd.yaml)", path=path
         )
     except OSError as err:
         return ConfigError(f"cannot read: {err.strerror}", path=path)

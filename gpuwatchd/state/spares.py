@@ -136,11 +136,7 @@ def _spare(data: Mapping[str, Any], name: str, clock: BootTime) -> tuple[Spare, 
 
 
 def read_spares(
-    state_dir: StateDir,
-    clock: BootTime,
-    *,
-    max_spare: float,
-    remove_stale: bool = False,
+    state_dir: StateDir, clock: BootTime, *, max_spare: float, remove_stale: bool = False
 ) -> SpareFiles:
     """The spares in force at ``clock`` and the bad files, one with more than ``max_spare`` left
     cut to it. ``remove_stale``: the daemon's removals and cuts (docs/internals.md)."""

@@ -115,8 +115,7 @@ def read_config_file(path: str) -> str:
     """The text of the regular file ``path`` (a link to one is followed; its name UTF-8), by
     :func:`read_regular_file`; ConfigError for anything else, naming the line of bytes that are
     not UTF-8."""
-    problem = _not_utf8_name(path) or _not_regular(path)
-    if problem is not None:
+    if (problem := _not_utf8_name(path) or _not_regular(path)) is not None:
         raise problem
     try:
         data = read_regular_file(path, MAX_DOCUMENT_BYTES)
@@ -155,13 +154,11 @@ class FileTooLarge(OSError):
 def read_regular_file(path: str, limit: int) -> bytes:
     """The bytes of the regular file ``path``, at most ``limit`` (docs/internals.md). Raises
     FileNotFoundError, NotARegularFile, FileTooLarge or another OSError."""
-    kind = _kind(os.stat(path).st_mode)
-    if kind is not None:
+    if (kind := _kind(os.stat(path).st_mode)) is not None:
         raise NotARegularFile(kind)
     fd = os.open(path, _OPEN_FLAGS)
     try:
-        kind = _kind(os.fstat(fd).st_mode)
-        if kind is not None:
+        if (kind := _kind(os.fstat(fd).st_mode)) is not None:
             raise NotARegularFile(kind)
         chunks, most = [], limit + 1  # one byte past the limit tells a larger file
         while most > 0 and (chunk := os.read(fd, min(1 << 20, most))):
@@ -186,8 +183,7 @@ def _not_regular(path: str) -> ConfigError | None:
                 path=path,
             )
         return ConfigError(
-            "configuration file not found (the shipped example is config/gpuwatchd.yaml)",
-            path=path,
+            "configuration file not found (the shipped example is config/gpuwatchd.yaml)", path=path
         )
     except OSError as err:
         return ConfigError(f"cannot read: {err.strerror}", path=path)
@@ -231,11 +227,7 @@ def _unsafe(path: str, *, allow_sticky: bool) -> ConfigError | None:
             path=path,
         )
     sticky = allow_sticky and stat.S_ISDIR(info.st_mode) and info.st_mode & stat.S_ISVTX
-    if (
-        info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-        and not sticky
-        and not _read_only_everywhere(path)
-    ):
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not (sticky or _read_only_everywhere(path)):
         return ConfigError(
             f"writable by group or others (mode {stat.S_IMODE(info.st_mode):04o}); gpuwatchd runs "
             f"the commands its config names as root. Fix: chmod go-w {path}",

@@ -373,8 +373,7 @@ def _read_signal(node: Node) -> str | None:
     if value is None:
         return None
     if isinstance(value, str):
-        name = value.strip().upper()
-        name = name if name.startswith("SIG") else "SIG" + name
+        name = "SIG" + value.strip().upper().removeprefix("SIG")
         if name in SIGNAL_NAMES:
             return name
     hint = did_you_mean(str(value).upper(), SIGNAL_NAMES) if isinstance(value, str) else ""
@@ -425,15 +424,13 @@ def section_of(
     ``flattened`` sections' keys; ``skip``: fields that are not configuration. TypeError (at
     import) when ``table`` and the dataclass's fields differ."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    own = {
-        name for name, value in table.items() if not (isinstance(value, Nested) and value.flatten)
-    }
-    covered = own | {key.field for key in flattened if key.field} | set(skip)
+    flat = {name for name, value in table.items() if isinstance(value, Nested) and value.flatten}
+    covered = (set(table) - flat) | {key.field for key in flattened if key.field} | set(skip)
     if covered != set(fields):
         raise TypeError(f"key table of {cls.__name__} out of step: {sorted(covered ^ set(fields))}")
     keys = []
     for field_name, value in table.items():
-        if isinstance(value, Nested) and value.flatten:
+        if field_name in flat:
             keys.append(Key(field_name, None, value))
             continue
         spec = fields[field_name]

@@ -104,10 +104,8 @@ def _merge_rules(base: Node | None, over: Seq, problems: list[ConfigError]) -> S
         slot = next((i for i, (old, _) in enumerate(merged) if name and old == name), None)
         if slot is None:
             merged.append((name, item))
-            continue
-        old = merged[slot][1]
-        # Field by field, like any mapping: {name: orphans, for: 10s} changes one field.
-        if isinstance(old, Map) and isinstance(item, Map):
+        elif isinstance(old := merged[slot][1], Map) and isinstance(item, Map):
+            # Field by field, like any mapping: {name: orphans, for: 10s} changes one field.
             merged[slot] = (name, _merge(old, item, problems))
         else:
             merged[slot] = (name, item)
@@ -317,14 +315,12 @@ def parse_policy_documents(docs: Sequence[tuple[str, str]]) -> Policy:
             continue
         merged = _merge(merged, document, problems, drop_in=index > 0)
     sources = tuple(name for name, _ in docs)
-    fields = _read_fields(_Section(merged, "", problems, ""))
-    policy = Policy(**fields, sources=sources)
+    policy = Policy(**_read_fields(_Section(merged, "", problems, "")), sources=sources)
     if problems:
         order = {name: index for index, name in enumerate(sources)}
         problems.sort(key=lambda p: (order.get(p.path or "", -1), p.line or 0))
         raise ConfigError.combine(problems)
-    too_large = _too_large_written_out(policy)
-    if too_large is not None:
+    if (too_large := _too_large_written_out(policy)) is not None:
         raise ConfigError(too_large, path=sources[0])
     return policy
 

@@ -186,8 +186,7 @@ def _check_text(filename: str, text: str, budget: Budget) -> None:
         raise ConfigError(
             "the configuration files together are larger than their 4 MiB limit", path=filename
         )
-    bad = _NOT_PRINTABLE.search(text)
-    if bad is not None:
+    if (bad := _NOT_PRINTABLE.search(text)) is not None:
         char = bad.group()
         unnamed = "unassigned" if ord(char) > 0x7F else "control"
         name = "NUL" if char == "\0" else unicodedata.name(char, unnamed)

@@ -651,7 +651,5 @@ def journal_field_name(key: str) -> str:
     """The journal field for event field ``key``: ``gpu`` is GPU_UUID, ``foo`` GPUWATCHD_FOO;
     always ``[A-Z0-9_]``, at most 64 characters, starting with a letter: never one of the
     trusted fields (``_PID``...) that only journald may set."""
-    name = JOURNAL_FIELDS.get(key)
-    if name is None:
-        name = "GPUWATCHD_" + _NOT_IN_FIELD_NAME.sub("_", str(key).upper())
+    name = JOURNAL_FIELDS.get(key) or "GPUWATCHD_" + _NOT_IN_FIELD_NAME.sub("_", str(key).upper())
     return name[:FIELD_NAME_MAX]

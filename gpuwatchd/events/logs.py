@@ -27,12 +27,7 @@ import structlog
 
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.vocabulary import Level, level_of
-from gpuwatchd.events.catalogue import (
-    FIELD_NAME_MAX,
-    journal_field_name,
-    message_id,
-    render,
-)
+from gpuwatchd.events.catalogue import FIELD_NAME_MAX, journal_field_name, message_id, render
 
 if TYPE_CHECKING:
     from structlog.typing import Processor, WrappedLogger
@@ -173,12 +168,9 @@ def _leading_keys(
     _logger: WrappedLogger, _method: str, event_dict: MutableMapping[str, Any]
 ) -> MutableMapping[str, Any]:
     """timestamp, level and event first, so JSON lines read like the logfmt ones."""
-    ordered = {key: event_dict[key] for key in _LEADING if key in event_dict}
+    ordered = {key: event_dict[key] for key in ("timestamp", "level", "event") if key in event_dict}
     ordered.update((key, value) for key, value in event_dict.items() if key not in ordered)
     return ordered
-
-
-_LEADING = ("timestamp", "level", "event")
 
 
 def _compact_values(

@@ -87,11 +87,7 @@ class HolderView:
 
 
 def usable(
-    view: HolderView,
-    *,
-    now_wall: float,
-    boot_id: str | None,
-    settings: tuple[str, str, int],
+    view: HolderView, *, now_wall: float, boot_id: str | None, settings: tuple[str, str, int]
 ) -> str | None:
     """Why ``view`` cannot be used now (None: it can). Pure."""
     if view.cut:  # a holder it does not list would be taken for no holder

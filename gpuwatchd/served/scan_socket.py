@@ -143,9 +143,7 @@ class ScanServer:
     exception in it declines that request); ``on_error`` hears what went wrong."""
 
     def __init__(
-        self,
-        answer: Callable[[ScanRequest], ScanAnswer],
-        on_error: Callable[[str], None],
+        self, answer: Callable[[ScanRequest], ScanAnswer], on_error: Callable[[str], None]
     ) -> None:
         self._answer = answer
         self._on_error = on_error

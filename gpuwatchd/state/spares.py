@@ -123,7 +123,7 @@ def _spare(data: Mapping[str, Any], name: str, clock: BootTime) -> tuple[Spare, 
         if not clock.same_boot(data):
             raise ValueError("a process of another boot")
     reason = data.get("reason")
-    spare = Spare(
+    return Spare(
         target=target,
         until=clock.wall + left,
         reason=str(reason)[:MAX_REASON] if isinstance(reason, str) else "",
@@ -132,16 +132,11 @@ def _spare(data: Mapping[str, Any], name: str, clock: BootTime) -> tuple[Spare, 
         job=job,
         since=as_number(data.get("since")),
         by_uid=data["by_uid"],
-    )
-    return spare, left
+    ), left
 
 
 def read_spares(
-    state_dir: StateDir,
-    clock: BootTime,
-    *,
-    max_spare: float,
-    remove_stale: bool = False,
+    state_dir: StateDir, clock: BootTime, *, max_spare: float, remove_stale: bool = False
 ) -> SpareFiles:
     """The spares in force at ``clock`` and the bad files, one with more than ``max_spare`` left
     cut to it. ``remove_stale``: the daemon's removals and cuts (docs/internals.md)."""

@@ -49,11 +49,7 @@ REJECTED = {"at": as_number, "error": as_text, "at_start": lambda v: v is True, 
 
 
 def build_document(
-    state: Mapping[str, object],
-    *,
-    policy: Policy,
-    wall: float,
-    monotonic: float | None,
+    state: Mapping[str, object], *, policy: Policy, wall: float, monotonic: float | None
 ) -> dict[str, object]:
     """The status document for ``state`` (the envelope of ``state.json``: its ``plan``, its
     ``status`` facts, ``reset_in_progress``), written at wall time ``wall``, when the daemon's

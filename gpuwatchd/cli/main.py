@@ -433,9 +433,8 @@ def _scan(args: argparse.Namespace) -> int:
         from gpuwatchd.state.compiled_policy import load_compiled
 
         # The daemon's compiled policy when the files are unchanged: no YAML to parse.
-        policy = load_compiled(args.config or DEFAULT_CONFIG_PATH, Policy().state_dir)
-        if policy is None:
-            policy = _policy(args)
+        compiled = load_compiled(args.config or DEFAULT_CONFIG_PATH, Policy().state_dir)
+        policy = compiled or _policy(args)
         from gpuwatchd.cli.scan import scan_host, scan_output
 
         # Not answered by the daemon (gpuwatchd/cli/entry.py): this scan walks by itself.
@@ -487,12 +486,10 @@ def _run(args: argparse.Namespace) -> int:
 
     with _refused(ConfigError):
         timeout = parse_duration(args.timeout, where="--timeout")
-    ended: set[str] = set()
     if args.ended_job and not args.once:
         raise CliError("--ended-job needs --once (it is true for one run)", ExitCode.CONFIG)
-    for spec in args.ended_job[:64]:
-        with _refused(ValueError):
-            ended.add(scheduler_ended_job(spec, os.environ))
+    with _refused(ValueError):
+        ended = frozenset(scheduler_ended_job(spec, os.environ) for spec in args.ended_job[:64])
     if len(args.ended_job) > 64:
         raise CliError("--ended-job: at most 64 jobs per run", ExitCode.CONFIG)
     config_path = args.config or DEFAULT_CONFIG_PATH
@@ -518,7 +515,7 @@ def _run(args: argparse.Namespace) -> int:
         dry_run=bool(args.dry_run),
         once=bool(args.once),
         once_timeout=timeout,
-        ended_jobs=frozenset(ended),
+        ended_jobs=ended,
         rejected=rejected,
     )
 

@@ -64,8 +64,10 @@ def spare_command(
         if target is not None or cancel:
             raise CliError("spare --list takes no target and no --cancel", ExitCode.CONFIG)
         return _list(policy, procfs, now, as_json=as_json)
-    if target is None:
-        raise _no_target(cancel=cancel)
+    if target is None:  # with --for, --reason or --cancel: never a listing
+        flag = "--cancel " if cancel else ""
+        why = f"spare {flag}needs a target (PID or job:ID): nothing is {_left(cancel)}"
+        raise CliError(why, ExitCode.CONFIG)
     try:
         key, pid, job = parse_target(target)
     except ValueError as exc:
@@ -108,16 +110,6 @@ def spare_command(
         f"never signalled until then (the daemon reads it at its next poll){caveat}",
     )
     return ExitCode.OK
-
-
-def _no_target(*, cancel: bool) -> CliError:
-    """What is missing when --for, --reason or --cancel came without a target: that is never
-    a listing (only --list, or spare alone, is)."""
-    if cancel:
-        what = "--cancel needs a target (PID or job:ID): nothing is changed"
-    else:
-        what = "needs a target (PID or job:ID): nothing is spared"
-    return CliError(f"spare {what}", ExitCode.CONFIG)
 
 
 def _left(cancel: bool) -> str:
@@ -277,15 +269,10 @@ def spared_text(row: Mapping[str, object], now: float | None) -> str:
     """``spared until 2026-12-04 14:00:00 (in 50m) by root (uid 0): why`` for a ``spared``
     entry, with what is unknown about the process when that is why it counts."""
     ends = as_number(row.get("until"))
-    when = "?"
-    if ends is not None:
-        when = stamp(ends)
-        if now is not None:
-            when += f" ({until(ends - now)})"
-    reason = as_text(row.get("reason"))
-    unknown = as_text(row.get("unknown"))
-    text = f"spared until {when} by {_who(row.get('by_uid'))}"
-    text += f": {reason}" if reason else ""
+    left = "" if ends is None or now is None else f" ({until(ends - now)})"
+    when = "?" if ends is None else stamp(ends) + left
+    reason, unknown = as_text(row.get("reason")), as_text(row.get("unknown"))
+    text = f"spared until {when} by {_who(row.get('by_uid'))}" + (f": {reason}" if reason else "")
     return text + (f" ({as_text(row.get('target'))}; {unknown})" if unknown else "")
 
 

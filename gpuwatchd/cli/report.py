@@ -182,14 +182,13 @@ class _Entries:
 
     def gpus(self, layout: MigLayout, verdict: NodeVerdict | None) -> list[dict[str, object]]:
         view = instance_view(self.snapshot, layout)
-        judged = {} if verdict is None else {g.uuid: g for g in verdict.gpus}
+        judged = {} if verdict is None else {g.uuid: g.to_json() for g in verdict.gpus}
         gpus = []
         for gpu in sorted(self.snapshot.nvml.gpus, key=lambda g: (g.index, g.uuid)):
             entry = self.gpu(gpu, self.snapshot)
             entry["mig_instances"] = self.mig_instances(gpu, layout, view)
             if verdict is not None:
-                one = judged.get(gpu.uuid)
-                entry["verdict"] = None if one is None else one.to_json()
+                entry["verdict"] = judged.get(gpu.uuid)
             gpus.append(entry)
         return gpus
 
@@ -324,11 +323,10 @@ class _Entries:
                     for name, held in (("nvidiactl", holding.ctl), ("nvidia-uvm", holding.uvm))
                     if held
                 )
-            role = node_roles.get(pid)
             entries.append(
                 {
                     "pid": pid,
-                    **_role_fields(role),
+                    **_role_fields(node_roles.get(pid)),
                     "devices": devices,
                     **self.facts(pid, listed=False),
                 }

@@ -194,9 +194,8 @@ class _Entries:
 
     def gpu(self, gpu: GpuInfo, snapshot: Snapshot) -> dict[str, object]:
         listed = sorted(gpu.processes or (), key=lambda p: (p.pid, p.kind))
-        holdings: dict[int, DeviceHolding] = {}
-        if gpu.minor is not None:
-            holdings = {h.pid: h for h in snapshot.holders.holders_of(gpu.minor)}
+        held = () if gpu.minor is None else snapshot.holders.holders_of(gpu.minor)
+        holdings = {h.pid: h for h in held}
         memory = dict.fromkeys(("total", "used", "reserved", "free", "baseline", "api", "used_v1"))
         if gpu.memory is not None:  # each key keeps its place in the document
             memory.update(fields_of(gpu.memory, _MEMORY))

@@ -64,10 +64,8 @@ def spare_command(
         if target is not None or cancel:
             raise CliError("spare --list takes no target and no --cancel", ExitCode.CONFIG)
         return _list(policy, procfs, now, as_json=as_json)
-    if target is None:  # with --for, --reason or --cancel: never a listing
-        flag = "--cancel " if cancel else ""
-        why = f"spare {flag}needs a target (PID or job:ID): nothing is {_left(cancel)}"
-        raise CliError(why, ExitCode.CONFIG)
+    if target is None:
+        raise _no_target(cancel=cancel)
     try:
         key, pid, job = parse_target(target)
     except ValueError as exc:
@@ -110,6 +108,14 @@ def spare_command(
         f"never signalled until then (the daemon reads it at its next poll){caveat}",
     )
     return ExitCode.OK
+
+
+def _no_target(*, cancel: bool) -> CliError:
+    """What is missing when --for, --reason or --cancel came without a target: that is never
+    a listing (only --list, or spare alone, is)."""
+    flag = "--cancel " if cancel else ""
+    why = f"spare {flag}needs a target (PID or job:ID): nothing is {_left(cancel)}"
+    return CliError(why, ExitCode.CONFIG)
 
 
 def _left(cancel: bool) -> str:

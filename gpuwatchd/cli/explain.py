@@ -240,18 +240,17 @@ def _note_limits(
 
 def _explain_reset(case: _Case) -> None:
     """What the ``reset`` policy does with a ghost_memory finding."""
-    item, stops, finding, snapshot = case.item, case.stops, case.finding, case.snapshot
-    policy, since = case.policy, case.since
+    item, stops, snapshot, policy = case.item, case.stops, case.snapshot, case.policy
     reset = policy.reset
     if not reset.enabled:
         stops.append("reset.enabled is false")
         return
     item["rule"] = "reset"
     action = "GPU reset"
-    instance = instance_recovery(snapshot, finding) if reset.mig_recovery else None
+    instance = instance_recovery(snapshot, case.finding) if reset.mig_recovery else None
     if instance is not None:  # a MIG GPU instance: re-created in place, never a GPU reset
         action = instance.describe().replace("re-create", "re-creation of", 1)
-    item["next"] = {"action": action, **_when(snapshot.wall_time, since, reset.confirm_for)}
+    item["next"] = {"action": action, **_when(snapshot.wall_time, case.since, reset.confirm_for)}
     item["then"] = [_reset_limits(policy) + (" (the parent GPU's)" if instance is not None else "")]
     _gate_stops(case)
     if policy.dry_run:
@@ -343,16 +342,14 @@ def render_explanation(result: Mapping[str, object]) -> str:
     if not items:
         lines.append("no findings: nothing would be done")
     for item in items:  # type: ignore[attr-defined]
-        lines.append("")
-        lines.append(
+        because = "; ".join(item["no_rule_because"]) or "nothing to do for this kind"
+        rule = f"none ({because})" if item["rule"] is None else item["rule"]
+        lines += [
+            "",
             f"{item['kind']} {'pid ' + str(item['pid']) if item['pid'] else 'gpu'} "
-            f"on {item['gpu']}: {item['reason']}"
-        )
-        if item["rule"] is None:
-            because = "; ".join(item["no_rule_because"]) or "nothing to do for this kind"
-            lines.append(f"  rule: none ({because})")
-        else:
-            lines.append(f"  rule: {item['rule']}")
+            f"on {item['gpu']}: {item['reason']}",
+            f"  rule: {rule}",
+        ]
         nxt = item["next"]
         if nxt is not None:
             lines.append(f"  next: {nxt['action']} {until(nxt['in'])} (from {nxt['basis']})")

@@ -43,12 +43,10 @@ def daemon_busy(
         if f.get("gpu") in dirty and isinstance(f.get("key"), str)
     }
     names = JournalNamer()  # as the daemon's own run --once says them
-    busy = [
+    return [
         f"{finding_label(key, names)}: not seen by the daemon yet"
         for key in sorted(set(keyed) - set(plan.seen))
-    ]
-    busy += [f"{finding_label(key, names)}: under way" for key in pending_keys(plan, keyed)]
-    return busy
+    ] + [f"{finding_label(key, names)}: under way" for key in pending_keys(plan, keyed)]
 
 
 def reset_under_way(state: Mapping[str, object]) -> str | None:
@@ -93,7 +91,6 @@ def wait_for_daemon(
     read_state = peek or (lambda: read_saved_state(policy.state_dir).data)
     still_running = running or (lambda saved: _still_running(policy, saved))
     started = clock()
-    deadline = started + timeout
     state = read_state()
     out.write(
         f"gpuwatchd: the daemon (pid {SavedState(state).daemon_pid or '?'}) is running; "
@@ -126,7 +123,7 @@ def wait_for_daemon(
                     f"(after {waited}): {escape('; '.join(left))}\n"
                 )
                 return ExitCode.TEMPFAIL
-        remaining = deadline - clock()
+        remaining = started + timeout - clock()
         if remaining <= 0:
             break
         sleep(min(policy.interval, MAX_PAUSE, remaining))

@@ -182,22 +182,20 @@ class _Entries:
 
     def gpus(self, layout: MigLayout, verdict: NodeVerdict | None) -> list[dict[str, object]]:
         view = instance_view(self.snapshot, layout)
-        judged = {} if verdict is None else {g.uuid: g for g in verdict.gpus}
+        judged = {} if verdict is None else {g.uuid: g.to_json() for g in verdict.gpus}
         gpus = []
         for gpu in sorted(self.snapshot.nvml.gpus, key=lambda g: (g.index, g.uuid)):
             entry = self.gpu(gpu, self.snapshot)
             entry["mig_instances"] = self.mig_instances(gpu, layout, view)
             if verdict is not None:
-                one = judged.get(gpu.uuid)
-                entry["verdict"] = None if one is None else one.to_json()
+                entry["verdict"] = judged.get(gpu.uuid)
             gpus.append(entry)
         return gpus
 
     def gpu(self, gpu: GpuInfo, snapshot: Snapshot) -> dict[str, object]:
         listed = sorted(gpu.processes or (), key=lambda p: (p.pid, p.kind))
-        holdings: dict[int, DeviceHolding] = {}
-        if gpu.minor is not None:
-            holdings = {h.pid: h for h in snapshot.holders.holders_of(gpu.minor)}
+        held = () if gpu.minor is None else snapshot.holders.holders_of(gpu.minor)
+        holdings = {h.pid: h for h in held}
         memory = dict.fromkeys(("total", "used", "reserved", "free", "baseline", "api", "used_v1"))
         if gpu.memory is not None:  # each key keeps its place in the document
             memory.update(fields_of(gpu.memory, _MEMORY))
@@ -324,11 +322,10 @@ class _Entries:
                     for name, held in (("nvidiactl", holding.ctl), ("nvidia-uvm", holding.uvm))
                     if held
                 )
-            role = node_roles.get(pid)
             entries.append(
                 {
                     "pid": pid,
-                    **_role_fields(role),
+                    **_role_fields(node_roles.get(pid)),
                     "devices": devices,
                     **self.facts(pid, listed=False),
                 }

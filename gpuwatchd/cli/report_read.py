@@ -274,7 +274,6 @@ def _read_gpus(
         if not isinstance(raw, dict):
             raise SnapshotError(f"{where}: expected an object")
         gpu = _gpu(raw, where)
-        minor = gpu.minor
         gpus.append(gpu)
         for item in as_list(raw.get("mig_instances")):  # MIG: who is in each instance
             for key in ("processes", "holders"):
@@ -285,11 +284,11 @@ def _read_gpus(
             for j, entry in enumerate(_list_field(raw, key, f"{where}.{key}")):
                 if not isinstance(entry, dict):
                     raise SnapshotError(f"{where}.{key}[{j}]: expected an object")
-                proc = _process(entry)
-                if proc is not None:
-                    processes.setdefault(proc.pid, proc)
-                if key == "holders" and proc is not None and minor is not None:
-                    _add_holding(holdings, proc.pid, entry, minor)
+                if (proc := _process(entry)) is None:
+                    continue
+                processes.setdefault(proc.pid, proc)
+                if key == "holders" and gpu.minor is not None:
+                    _add_holding(holdings, proc.pid, entry, gpu.minor)
     return gpus, processes, holdings
 
 

@@ -45,14 +45,12 @@ def render_text(report: Mapping[str, object], *, color: bool = False) -> str:
     for gpu in (as_map(g) for g in as_list(report.get("gpus"))):
         instances = (as_map(i).get("uuid") for i in as_list(gpu.get("mig_instances")))
         gpu_uuids.update(u for u in (gpu.get("uuid"), *instances) if isinstance(u, str))
-        lines.append("")
-        lines.extend(view.gpu_lines(gpu))
+        lines.extend(["", *view.gpu_lines(gpu)])
     node_findings = [f for f in findings if as_text(f.get("gpu")) not in gpu_uuids]
     notes = _node_notes(report, gpu_uuids)
     holders = [as_map(h) for h in as_list(report.get("node_holders"))]
     if notes or node_findings or holders:
-        lines.append("")
-        lines.append(view.paint("node", _BOLD))
+        lines.extend(["", view.paint("node", _BOLD)])
         lines.extend(f"  {view.paint(note, _YELLOW)}" for note in notes)
         if holders:
             lines.append("  holding NVIDIA device files of no listed GPU:")
@@ -147,10 +145,10 @@ class _View:
             return []
         header_row = ["PID", "USER", "S", "ROLE", "MEMORY", "VIA", "JOB", "AGE", "COMMAND"]
         table = _table([header_row, *rows])
-        lines = ["  " + self.paint(table[0], _DIM)]
-        for line, alarm in zip(table[1:], alarms, strict=True):
-            lines.append("  " + (self.paint(line, _RED) if alarm else line))
-        return lines
+        return ["  " + self.paint(table[0], _DIM)] + [
+            "  " + (self.paint(line, _RED) if alarm else line)
+            for line, alarm in zip(table[1:], alarms, strict=True)
+        ]
 
     def verdict_lines(self, verdict: Mapping[str, object]) -> list[str]:
         """``verdict  clean`` or ``verdict  NOT CLEAN (dirty): <kind> <why>``, then what would
@@ -199,10 +197,10 @@ class _View:
                     shown(finding.get("reason")),
                 ]
             )
-        lines = ["  findings"]
-        for line, finding in zip(_table(rows), findings, strict=True):
-            actionable = finding.get("actionable") is True
-            lines.append("    " + (self.paint(line, _RED) if actionable else line))
+        lines = ["  findings"] + [
+            "    " + (self.paint(line, _RED) if finding.get("actionable") is True else line)
+            for line, finding in zip(_table(rows), findings, strict=True)
+        ]
         lines.extend(f"    {line}" for line in spared_lines(findings, self.now))  # gpuwatchd spare
         lines.extend(self.likely_heir_advice(findings))
         if any(as_text(f.get("kind")) == "ghost_memory" for f in findings):
@@ -279,15 +277,13 @@ def _gpu_flags(gpu: Mapping[str, object]) -> list[str]:
     flags: list[str] = []
     if gpu.get("lost") is True:
         flags.append("LOST: the GPU stopped answering")
-    error = as_text(gpu.get("error"))
-    if error:
+    if error := as_text(gpu.get("error")):
         flags.append(f"error: {escape(error)}")
     if gpu.get("mig_enabled") is True:
         flags.append("MIG enabled")
     if gpu.get("coherent_memory") is True:
         flags.append("coherent memory (memory-based detection off)")
-    persistence = gpu.get("persistence_mode")
-    if isinstance(persistence, bool):
+    if isinstance(persistence := gpu.get("persistence_mode"), bool):
         flags.append(f"persistence mode {'on' if persistence else 'off'}")
     health = as_map(gpu.get("health"))
     action = health.get("recovery_action")
@@ -307,8 +303,7 @@ def _gpu_flags(gpu: Mapping[str, object]) -> list[str]:
         flags.append("row remap pending (a reset applies it)")
     if rows.get("failure") is True:
         flags.append("row remapping failed")
-    reason = as_text(gpu.get("report_only"))
-    if reason:
+    if reason := as_text(gpu.get("report_only")):
         flags.append(f"report-only: {escape(reason)}")
     flags.extend(f"note: {shown(note)}" for note in as_list(gpu.get("notes")))
     return flags
@@ -372,8 +367,7 @@ def _role_label(role: str | None, owner: object) -> str:
 
 
 def _user(entry: Mapping[str, object]) -> str:
-    user = as_text(entry.get("user"))
-    if user:
+    if user := as_text(entry.get("user")):
         return escape(user)
     uid = as_int(entry.get("uid"))
     return str(uid) if uid is not None else "?"
@@ -383,14 +377,11 @@ def _job(cgroup: object, *, known: bool) -> str:
     """A short name for the job a process belongs to; "-" when its cgroup names none."""
     if not isinstance(cgroup, Mapping):
         return "?" if known else "-"
-    slurm = as_text(cgroup.get("slurm_job"))
-    if slurm:
+    if slurm := as_text(cgroup.get("slurm_job")):
         return escape(f"slurm:{slurm}")
-    pod = as_text(cgroup.get("pod_uid"))
-    if pod:
+    if pod := as_text(cgroup.get("pod_uid")):
         return escape(f"pod:{pod[:8]}")
-    container = as_text(cgroup.get("container_id"))
-    if container:
+    if container := as_text(cgroup.get("container_id")):
         runtime = as_text(cgroup.get("container_runtime")) or "container"
         return escape(f"{runtime}:{container[:12]}")
     unit = as_text(cgroup.get("systemd_unit"))
@@ -401,8 +392,7 @@ def _command(entry: Mapping[str, object]) -> str:
     cmdline = entry.get("cmdline")
     if isinstance(cmdline, list) and cmdline:
         return escape(" ".join(str(arg) for arg in cmdline))
-    comm = as_text(entry.get("comm"))
-    if comm:
+    if comm := as_text(entry.get("comm")):
         return escape(f"[{comm}]")
     return "-" if entry.get("alive") is False else "?"
 

@@ -228,7 +228,6 @@ def _scan_host(
             return ScanResult(None, declined=declined)
         daemon_pids = frozenset({view.daemon_pid, *view.worker_pids})
         why = f"built on the holder view of the daemon (pid {view.daemon_pid})"
-    own = nvml is None
     client = NvmlClient(policy.nvml_timeout) if nvml is None else nvml
     client.timeout = policy.nvml_timeout
     source: NvmlSource = client if published is None else published
@@ -239,14 +238,8 @@ def _scan_host(
     except WalkDue as due:  # only where a view is used: the daemon walks nothing for a command
         return ScanResult(None, declined=f"a walk of /proc is due ({due.reason.value})")
     finally:
-        if own:
+        if nvml is None:  # this scan's own client
             client.stop()
-    error = None
-    if not snapshot.nvml.available:
-        # Still a report (its "nvml" says why, its holders are real): the JSON reader gets a
-        # document and the exit code, the text reader the one line.
-        error = snapshot.nvml.error or "NVIDIA driver/NVML not available"
-
     plan = saved_plan(saved)
     report, verdict, unread = _judged_report(snapshot, saved, plan, policy, state_dir)
     report["daemon_view"] = _daemon_view_section(view, why, collector)
@@ -254,12 +247,15 @@ def _scan_host(
     said = None if state_dir is None else daemon_section(state_dir, saved, plan, policy, snapshot)
     if said is not None:
         report["daemon"] = said
-    note, reading = _permission_note(policy, snapshot), snapshot.nvml
+    reading = snapshot.nvml
+    # Unavailable: still a report (its "nvml" says why, its holders are real): the JSON reader
+    # gets a document and the exit code, the text reader the one line.
+    error = None if reading.available else reading.error or "NVIDIA driver/NVML not available"
     return ScanResult(
         report,
         wedged=reading.wedged,
         error=error,
-        permission_note=note,
+        permission_note=_permission_note(policy, snapshot),
         verdict=verdict,
         state_unread=unread,
     )

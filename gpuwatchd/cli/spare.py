@@ -113,11 +113,9 @@ def spare_command(
 def _no_target(*, cancel: bool) -> CliError:
     """What is missing when --for, --reason or --cancel came without a target: that is never
     a listing (only --list, or spare alone, is)."""
-    if cancel:
-        what = "--cancel needs a target (PID or job:ID): nothing is changed"
-    else:
-        what = "needs a target (PID or job:ID): nothing is spared"
-    return CliError(f"spare {what}", ExitCode.CONFIG)
+    flag = "--cancel " if cancel else ""
+    why = f"spare {flag}needs a target (PID or job:ID): nothing is {_left(cancel)}"
+    return CliError(why, ExitCode.CONFIG)
 
 
 def _left(cancel: bool) -> str:
@@ -277,15 +275,10 @@ def spared_text(row: Mapping[str, object], now: float | None) -> str:
     """``spared until 2026-12-04 14:00:00 (in 50m) by root (uid 0): why`` for a ``spared``
     entry, with what is unknown about the process when that is why it counts."""
     ends = as_number(row.get("until"))
-    when = "?"
-    if ends is not None:
-        when = stamp(ends)
-        if now is not None:
-            when += f" ({until(ends - now)})"
-    reason = as_text(row.get("reason"))
-    unknown = as_text(row.get("unknown"))
-    text = f"spared until {when} by {_who(row.get('by_uid'))}"
-    text += f": {reason}" if reason else ""
+    left = "" if ends is None or now is None else f" ({until(ends - now)})"
+    when = "?" if ends is None else stamp(ends) + left
+    reason, unknown = as_text(row.get("reason")), as_text(row.get("unknown"))
+    text = f"spared until {when} by {_who(row.get('by_uid'))}" + (f": {reason}" if reason else "")
     return text + (f" ({as_text(row.get('target'))}; {unknown})" if unknown else "")
 
 

@@ -218,8 +218,7 @@ def _work_lines(result: Mapping[str, object]) -> list[str]:
         lines.append("waiting (confirmation windows, post-action delays):")
         for item in pending:
             when = "due" if item.get("due_in") is None else until(item["due_in"])
-            label = item.get("label") or item.get("finding")
-            lines.append(f"  {_text(label)}: {when}")
+            lines.append(f"  {_text(item.get('label') or item.get('finding'))}: {when}")
     return lines
 
 

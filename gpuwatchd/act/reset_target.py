@@ -403,9 +403,4 @@ def outcome_event(
 ) -> tuple[Level, dict[str, object]]:
     """The level and fields of ``EventName.RESET_OUTCOME`` (the daemon's and simulate's)."""
     level = Level.CRITICAL if outcome.needs_reboot else RESET_RESULT_LEVELS[outcome.result]
-    return level, {
-        "gpu": gpu,
-        "pci_bus_id": pci_bus_id,
-        **outcome.fields(),
-        "dry_run": dry_run,
-    }
+    return level, {"gpu": gpu, "pci_bus_id": pci_bus_id, **outcome.fields(), "dry_run": dry_run}

@@ -548,12 +548,11 @@ class Daemon:
         # The poll's start is its time in the status section (written by the poll's checkpoint).
         self.last_poll_monotonic = self.clock()
         self.last_poll_wall = self.wall_clock()
-        report = self.engine.poll(
+        self.report = report = self.engine.poll(
             dataclasses.replace(
                 switches, started=self.last_poll_monotonic, started_wall=self.last_poll_wall
             )
         )
-        self.report = report
         # Gauges only feed the textfile (event counters are kept regardless, by the sink).
         if self.metrics.textfile is not None:
             self.metrics.after_poll(
@@ -788,8 +787,7 @@ class Daemon:
         except (OSError, ValueError) as exc:  # ValueError: a value JSON cannot hold (a NaN)
             log.error(EventName.STATE_SAVE_FAILED, error=_os_error(exc), path=self.policy.state_dir)
             return False
-        self._saved_key = key
-        self._saved_poll_bucket = bucket
+        self._saved_key, self._saved_poll_bucket = key, bucket
         return True
 
     def status_section(self, standing: Standing | None = None) -> dict[str, object]:

@@ -6,7 +6,6 @@ In detail: docs/internals.md, section `gpuwatchd.act.reset`.
 from __future__ import annotations
 
 import shlex
-import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field, replace
 from functools import partial
@@ -43,7 +42,6 @@ from gpuwatchd.decide.mig.recovery import (
 )
 from gpuwatchd.decide.policy import ResetPolicy
 
-EMPTY_ENV: Mapping[str, str] = types.MappingProxyType({})
 Ran = tuple[CommandResult | None, ResetResult, bool, str]  # the reset step's result and reading
 # RESET_FINISHED's level by result (RESET_OUTCOME's are RESET_RESULT_LEVELS); else error
 _FINISHED_LEVELS: Mapping[ResetResult, Level] = {
@@ -159,13 +157,13 @@ class Procedure:
         )
         return result
 
-    def hooks(self, step: ResetStep, extra: Mapping[str, object] = EMPTY_ENV) -> str | None:
+    def hooks(self, step: ResetStep, extra: Mapping[str, object] | None = None) -> str | None:
         """Run the hooks of ``step`` (every after hook; the drain and before hooks up to the
         first failure): the first failure's description, or None."""
-        hooks, event = {
-            ResetStep.DRAIN: (self.commands.drain, "reset_drain"),
-            ResetStep.BEFORE_HOOKS: (self.commands.before, "reset_before"),
-            ResetStep.AFTER_HOOKS: (self.commands.after, "reset_after"),
+        hooks, event, stop_on_failure = {
+            ResetStep.DRAIN: (self.commands.drain, "reset_drain", True),
+            ResetStep.BEFORE_HOOKS: (self.commands.before, "reset_before", True),
+            ResetStep.AFTER_HOOKS: (self.commands.after, "reset_after", False),
         }[step]
         if not hooks:
             self.event(step, ResetStepStatus.SKIPPED, detail="no hooks configured")
@@ -181,10 +179,9 @@ class Procedure:
             gpu_minor=self.target.minor,
             mig_instance=None if instance is None else instance.mig_uuid,
             mig_gi=None if instance is None else instance.gi,
-            **extra,
+            **(extra or {}),
         )
         # filled in already: the hooks recorded, or to be
-        stop_on_failure = step is not ResetStep.AFTER_HOOKS
         results = run_hooks(hooks, env=env, stop_on_failure=stop_on_failure, runner=self.runner)
         failures = [
             f"hook {list(r.argv)!r} failed: {r.describe()}{quote_output(r.output)}"

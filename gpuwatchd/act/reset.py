@@ -557,9 +557,9 @@ def _stop_monitors(proc: Procedure) -> tuple[ResetOutcome | None, frozenset[int]
         return None, frozenset()
     units = sorted({m.entry.unit for m in found if m.entry.unit is not None})
     monitors = [m.who for m in found]
+    processes = [m for m in found if m.entry.unit is None]  # no unit: stopped by SIGTERM
     if proc.dry_run:
-        how = [f"systemctl stop {unit}" for unit in units]
-        how += ["SIGTERM"] if any(m.entry.unit is None for m in found) else []
+        how = [f"systemctl stop {unit}" for unit in units] + (["SIGTERM"] if processes else [])
         detail = "would stop " + ", ".join(monitors) + " (" + "; ".join(how) + ")"
         proc.event(step, ResetStepStatus.WOULD_RUN, monitors=monitors, units=units, detail=detail)
         return None, frozenset(m.identity.pid for m in found)
@@ -567,7 +567,6 @@ def _stop_monitors(proc: Procedure) -> tuple[ResetOutcome | None, frozenset[int]
     if units and not proc.begin(step):
         return proc.abort(step, UNRECORDED), frozenset()
     failures = _systemctl(proc, "stop", units)
-    processes = [m for m in found if m.entry.unit is None]
     if not failures and processes:
         failures = proc.env.stop_monitors(proc.target, processes, proc.policy.timeout)
     proc.ended(step, failures, "stopped " + ", ".join(monitors), monitors=monitors)

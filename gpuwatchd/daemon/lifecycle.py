@@ -306,8 +306,7 @@ class Daemon:
                         code = ExitCode.UNAVAILABLE
                         break
                     watched = frozenset(f.key for f in report.assessment.findings)
-                once = self._once_progress(report, watched, started)
-                if once is not None:
+                if (once := self._once_progress(report, watched, started)) is not None:
                     code = once
                     break
             self._wait()

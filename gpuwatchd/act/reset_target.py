@@ -277,8 +277,7 @@ def quote_output(output: str) -> str:
 
 def says_in_use(result: CommandResult) -> bool:
     """The command failed with nvidia-smi's "in use by another client" text."""
-    lowered = result.output.lower()
-    return not result.ok and any(marker in lowered for marker in _IN_USE_MARKERS)
+    return not result.ok and any(marker in result.output.lower() for marker in _IN_USE_MARKERS)
 
 
 def interpret_reset_exit(result: CommandResult) -> tuple[ResetResult, bool, str]:

@@ -157,14 +157,8 @@ def process_trees(snapshot: Snapshot, pids: list[int]) -> list[dict[str, object]
             seen.add(child)
             below.append(_node(table[child]))
             queue.extend(sorted(children.get(child, ())))
-        trees.append(
-            {
-                "pid": pid,
-                "process": _absent(pid) if info is None else _node(info),
-                "ancestors": ancestors,
-                "descendants": below,
-            }
-        )
+        process = _absent(pid) if info is None else _node(info)
+        trees.append({"pid": pid, "process": process, "ancestors": ancestors, "descendants": below})
     return trees
 
 

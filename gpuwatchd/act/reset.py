@@ -6,7 +6,6 @@ In detail: docs/internals.md, section `gpuwatchd.act.reset`.
 from __future__ import annotations
 
 import shlex
-import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field, replace
 from functools import partial
@@ -43,7 +42,6 @@ from gpuwatchd.decide.mig.recovery import (
 )
 from gpuwatchd.decide.policy import ResetPolicy
 
-EMPTY_ENV: Mapping[str, str] = types.MappingProxyType({})
 Ran = tuple[CommandResult | None, ResetResult, bool, str]  # the reset step's result and reading
 # RESET_FINISHED's level by result (RESET_OUTCOME's are RESET_RESULT_LEVELS); else error
 _FINISHED_LEVELS: Mapping[ResetResult, Level] = {
@@ -159,13 +157,13 @@ class Procedure:
         )
         return result
 
-    def hooks(self, step: ResetStep, extra: Mapping[str, object] = EMPTY_ENV) -> str | None:
+    def hooks(self, step: ResetStep, extra: Mapping[str, object] | None = None) -> str | None:
         """Run the hooks of ``step`` (every after hook; the drain and before hooks up to the
         first failure): the first failure's description, or None."""
-        hooks, event = {
-            ResetStep.DRAIN: (self.commands.drain, "reset_drain"),
-            ResetStep.BEFORE_HOOKS: (self.commands.before, "reset_before"),
-            ResetStep.AFTER_HOOKS: (self.commands.after, "reset_after"),
+        hooks, event, stop_on_failure = {
+            ResetStep.DRAIN: (self.commands.drain, "reset_drain", True),
+            ResetStep.BEFORE_HOOKS: (self.commands.before, "reset_before", True),
+            ResetStep.AFTER_HOOKS: (self.commands.after, "reset_after", False),
         }[step]
         if not hooks:
             self.event(step, ResetStepStatus.SKIPPED, detail="no hooks configured")
@@ -181,10 +179,9 @@ class Procedure:
             gpu_minor=self.target.minor,
             mig_instance=None if instance is None else instance.mig_uuid,
             mig_gi=None if instance is None else instance.gi,
-            **extra,
+            **(extra or {}),
         )
         # filled in already: the hooks recorded, or to be
-        stop_on_failure = step is not ResetStep.AFTER_HOOKS
         results = run_hooks(hooks, env=env, stop_on_failure=stop_on_failure, runner=self.runner)
         failures = [
             f"hook {list(r.argv)!r} failed: {r.describe()}{quote_output(r.output)}"
@@ -327,16 +324,8 @@ def perform_reset(
     if isinstance(prepared, str):
         outcome = ResetOutcome(ResetResult.REFUSED, ResetStep.DRAIN, prepared, False, None, ())
         return _finished(env, target, outcome, dry_run, Level.ERROR)
-    proc = Procedure(
-        target,
-        reset,
-        env,
-        prepared,
-        dry_run=dry_run,
-        runner=runner,
-        drained=drained,
-        fabric_wait=fabric_wait,
-    )
+    proc = Procedure(target, reset, env, prepared, dry_run=dry_run, runner=runner, drained=drained)
+    proc.fabric_wait = fabric_wait
     return _up_to_final_scan(proc) or _reset_and_check(proc)
 
 
@@ -568,9 +557,9 @@ def _stop_monitors(proc: Procedure) -> tuple[ResetOutcome | None, frozenset[int]
         return None, frozenset()
     units = sorted({m.entry.unit for m in found if m.entry.unit is not None})
     monitors = [m.who for m in found]
+    processes = [m for m in found if m.entry.unit is None]  # no unit: stopped by SIGTERM
     if proc.dry_run:
-        how = [f"systemctl stop {unit}" for unit in units]
-        how += ["SIGTERM"] if any(m.entry.unit is None for m in found) else []
+        how = [f"systemctl stop {unit}" for unit in units] + (["SIGTERM"] if processes else [])
         detail = "would stop " + ", ".join(monitors) + " (" + "; ".join(how) + ")"
         proc.event(step, ResetStepStatus.WOULD_RUN, monitors=monitors, units=units, detail=detail)
         return None, frozenset(m.identity.pid for m in found)
@@ -578,7 +567,6 @@ def _stop_monitors(proc: Procedure) -> tuple[ResetOutcome | None, frozenset[int]
     if units and not proc.begin(step):
         return proc.abort(step, UNRECORDED), frozenset()
     failures = _systemctl(proc, "stop", units)
-    processes = [m for m in found if m.entry.unit is None]
     if not failures and processes:
         failures = proc.env.stop_monitors(proc.target, processes, proc.policy.timeout)
     proc.ended(step, failures, "stopped " + ", ".join(monitors), monitors=monitors)

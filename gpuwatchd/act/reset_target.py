@@ -277,8 +277,7 @@ def quote_output(output: str) -> str:
 
 def says_in_use(result: CommandResult) -> bool:
     """The command failed with nvidia-smi's "in use by another client" text."""
-    lowered = result.output.lower()
-    return not result.ok and any(marker in lowered for marker in _IN_USE_MARKERS)
+    return not result.ok and any(marker in result.output.lower() for marker in _IN_USE_MARKERS)
 
 
 def interpret_reset_exit(result: CommandResult) -> tuple[ResetResult, bool, str]:
@@ -403,9 +402,4 @@ def outcome_event(
 ) -> tuple[Level, dict[str, object]]:
     """The level and fields of ``EventName.RESET_OUTCOME`` (the daemon's and simulate's)."""
     level = Level.CRITICAL if outcome.needs_reboot else RESET_RESULT_LEVELS[outcome.result]
-    return level, {
-        "gpu": gpu,
-        "pci_bus_id": pci_bus_id,
-        **outcome.fields(),
-        "dry_run": dry_run,
-    }
+    return level, {"gpu": gpu, "pci_bus_id": pci_bus_id, **outcome.fields(), "dry_run": dry_run}

@@ -43,9 +43,7 @@ class SignalResult:
 
 def _signal_number(name: str) -> int | None:
     """``"SIGTERM"``, ``"TERM"`` or ``"sigterm"`` → 15; None for anything that is no signal."""
-    upper = name.strip().upper()
-    if not upper.startswith("SIG"):
-        upper = "SIG" + upper
+    upper = "SIG" + name.strip().upper().removeprefix("SIG")
     if upper.startswith("SIG_"):
         return None  # SIG_IGN / SIG_DFL are handlers, not signals
     member = signal.Signals.__members__.get(upper)
@@ -120,12 +118,10 @@ class Signaller:
             self._drop(identity, pidfd)
             return _send_failed(pid, err, state)
         self._kept[identity] = pidfd
-        name = signal.Signals(number).name
+        what = f"{signal.Signals(number).name} to PID {pid}"
         if dry_run:
-            return SignalResult(
-                SignalOutcome.DRY_RUN, f"would send {name} to PID {pid} (dry-run)", state
-            )
-        return SignalResult(SignalOutcome.DELIVERED, f"sent {name} to PID {pid}", state)
+            return SignalResult(SignalOutcome.DRY_RUN, f"would send {what} (dry-run)", state)
+        return SignalResult(SignalOutcome.DELIVERED, f"sent {what}", state)
 
     def wait(self, timeout: float) -> list[ProcessIdentity]:
         """Wait up to ``timeout`` seconds for any kept process to exit (a zombie has): every
@@ -218,16 +214,10 @@ def _send_failed(pid: int, err: OSError, state: str) -> SignalResult:
     if err.errno == errno.ESRCH:
         return SignalResult(SignalOutcome.GONE, f"PID {pid} exited", state)
     if err.errno == errno.EPERM:
-        return SignalResult(
-            SignalOutcome.DENIED,
-            f"not permitted to signal PID {pid} (missing CAP_KILL?)",
-            state,
-        )
-    return SignalResult(
-        SignalOutcome.FAILED,
-        f"pidfd_send_signal({pid}) failed: {err.strerror or err}",
-        state,
-    )
+        denied = f"not permitted to signal PID {pid} (missing CAP_KILL?)"
+        return SignalResult(SignalOutcome.DENIED, denied, state)
+    failed = f"pidfd_send_signal({pid}) failed: {err.strerror or err}"
+    return SignalResult(SignalOutcome.FAILED, failed, state)
 
 
 def _zombie_detail(pid: int) -> str:

@@ -145,11 +145,8 @@ class HookQueue:
 
     def _crashed(self, error: str) -> None:
         if self.on_crash is not None:
-            try:
+            with contextlib.suppress(Exception):  # it failed too: said below, the last resort
                 self.on_crash(error)
-            except Exception:  # noqa: S110 - said below, the last resort
-                pass
-            else:
                 return
         LogSink().emit(
             EventName.HOOK_RUN,
@@ -171,12 +168,9 @@ class HookQueue:
         if not self._thread.is_alive():
             return 0
         dropped = 0
-        while True:
-            try:
-                work = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            dropped += work is not None
+        with contextlib.suppress(queue.Empty):  # every notification never started, taken
+            while True:
+                dropped += self._queue.get_nowait() is not None
         self._queue.put_nowait(None)  # the thread ends after the one it runs
         return dropped
 

@@ -306,8 +306,7 @@ class Daemon:
                         code = ExitCode.UNAVAILABLE
                         break
                     watched = frozenset(f.key for f in report.assessment.findings)
-                once = self._once_progress(report, watched, started)
-                if once is not None:
+                if (once := self._once_progress(report, watched, started)) is not None:
                     code = once
                     break
             self._wait()
@@ -548,12 +547,11 @@ class Daemon:
         # The poll's start is its time in the status section (written by the poll's checkpoint).
         self.last_poll_monotonic = self.clock()
         self.last_poll_wall = self.wall_clock()
-        report = self.engine.poll(
+        self.report = report = self.engine.poll(
             dataclasses.replace(
                 switches, started=self.last_poll_monotonic, started_wall=self.last_poll_wall
             )
         )
-        self.report = report
         # Gauges only feed the textfile (event counters are kept regardless, by the sink).
         if self.metrics.textfile is not None:
             self.metrics.after_poll(
@@ -659,8 +657,6 @@ class Daemon:
         if name in _ACTION_EVENTS:
             pid = fields.get("pid")
             outcome = fields.get("outcome") or fields.get("result")
-            if name == EventName.HOOK_RUN:
-                outcome = hook_outcome(fields)
             self.actions_seen += 1
             self.recent_actions.append(
                 {
@@ -670,7 +666,7 @@ class Daemon:
                     "pid": pid if isinstance(pid, int) else None,
                     "signal": fields.get("signal"),
                     "hook": fields.get("hook"),
-                    "outcome": outcome,
+                    "outcome": hook_outcome(fields) if name == EventName.HOOK_RUN else outcome,
                     "dry_run": fields.get("dry_run") is True,
                     "sentence": action_sentence(name, fields),
                 }
@@ -790,8 +786,7 @@ class Daemon:
         except (OSError, ValueError) as exc:  # ValueError: a value JSON cannot hold (a NaN)
             log.error(EventName.STATE_SAVE_FAILED, error=_os_error(exc), path=self.policy.state_dir)
             return False
-        self._saved_key = key
-        self._saved_poll_bucket = bucket
+        self._saved_key, self._saved_poll_bucket = key, bucket
         return True
 
     def status_section(self, standing: Standing | None = None) -> dict[str, object]:

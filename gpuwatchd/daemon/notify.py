@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from gpuwatchd.core.checked import decimal
+from gpuwatchd.core.vocabulary import LadderStatus
 from gpuwatchd.decide.verdict import UNREADABLE
 from gpuwatchd.engine.edges import PollReport
 from gpuwatchd.events.words import short
@@ -108,18 +109,15 @@ def describe_status(report: PollReport, dry_run: bool) -> str:
     parts = [f"{_counted(len(reading.gpus), 'GPU')} watched"]
     if reading.wedged:
         parts.insert(0, "driver wedged")
-    lost = [g for g in reading.gpus if g.lost]
-    if lost:
-        parts.append(f"{len(lost)} lost (needs reboot)")
+    if lost := sum(1 for g in reading.gpus if g.lost):
+        parts.append(f"{lost} lost (needs reboot)")
     if verdict is not None and verdict.unavailable is None:
         dirty = sum(1 for g in verdict.gpus if not g.clean)
         parts.append(f"{dirty} not clean" if dirty else "all clean")
     parts.append(_counted(len(report.assessment.findings), "finding"))
-    ladders = list(state.ladders.values())
-    active = sum(1 for lad in ladders if lad.status == "active")
-    parts.append(f"{_counted(active, 'action')} under way")
-    stuck = sum(1 for lad in ladders if lad.status == "stuck")
-    if stuck:
+    statuses = [lad.status for lad in state.ladders.values()]
+    parts.append(f"{_counted(statuses.count(LadderStatus.ACTIVE), 'action')} under way")
+    if stuck := statuses.count(LadderStatus.STUCK):
         parts.append(f"{stuck} stuck in D state (needs drain/reboot)")
     if state.paused:
         parts.append("paused")

@@ -66,11 +66,7 @@ class HolderPass(AssessorState):
                 self.role(pid, gpu, role, owner, note)
 
     def classify(
-        self,
-        pid: int,
-        proc: ProcessInfo | None,
-        holding: DeviceHolding,
-        held: list[GpuInfo],
+        self, pid: int, proc: ProcessInfo | None, holding: DeviceHolding, held: list[GpuInfo]
     ) -> Outcome:
         host = self.host
         if proc is None:

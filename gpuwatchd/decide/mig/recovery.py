@@ -160,10 +160,7 @@ def recovery_blockers(
 ) -> list[str]:
     """The final scan of a recovery (docs/internals.md); an unreadable process blocks."""
     fresh = replace(
-        last,
-        holders=holders,
-        processes={**last.processes, **processes},
-        self_pids=self_pids,
+        last, holders=holders, processes={**last.processes, **processes}, self_pids=self_pids
     )
     why = instance_blockers(fresh, instance_uuid)
     why += [

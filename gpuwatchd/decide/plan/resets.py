@@ -387,8 +387,7 @@ def consider_reset(w: Work, ctx: Ctx, finding: Finding) -> None:
         return
     if gpu is None:
         return  # _reset_blocker refused it already; this is for the type checker
-    lasted = ctx.now - w.seen[finding.key].first_seen
-    why = f"ghost memory confirmed for {lasted:.0f}s"
+    why = f"ghost memory confirmed for {ctx.now - w.seen[finding.key].first_seen:.0f}s"
     instance = None
     if gpu.uuid != finding.gpu:
         instance = instance_recovery(ctx.snapshot, finding)

@@ -63,9 +63,7 @@ def has_unowned_memory(
         return False
     if gpu.mig_enabled and gpu.mig_devices is not None:
         return _unowned_instance(gpu.mig_devices, live, detection)
-    if gpu.memory is None:
-        return False
-    if gpu.minor is not None and gpu.minor in held_minors:
+    if gpu.memory is None or (gpu.minor is not None and gpu.minor in held_minors):
         return False
     allocated = gpu.memory.allocated
     if allocated is None or allocated <= unowned_memory_threshold(detection):

@@ -118,9 +118,7 @@ KINDS: Mapping[FindingKind, KindProperties] = {
             "GPU health is handled under 'health'; live jobs are never signalled for it",
         ),
         _health(
-            _K.REBOOT_REQUIRED,
-            "a GPU that needs the node rebooted",
-            _HEALTH_WHY.format("a reboot"),
+            _K.REBOOT_REQUIRED, "a GPU that needs the node rebooted", _HEALTH_WHY.format("a reboot")
         ),
         _health(
             _K.DRAIN_REQUIRED, "a GPU whose node needs draining", _HEALTH_WHY.format("draining")

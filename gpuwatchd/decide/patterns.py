@@ -249,8 +249,7 @@ def _close(
         if state.kind == _CHAR:
             found.append(index)
         elif state.kind == _SPLIT:
-            stack.append(state.alt)
-            stack.append(state.out)
+            stack += (state.alt, state.out)
         elif state.kind == _ASSERT:
             if _holds(state, text, pos):
                 stack.append(state.out)

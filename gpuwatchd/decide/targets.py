@@ -8,7 +8,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterator, Sequence
 
-from gpuwatchd.core.model import Finding, GpuInfo, ProcessInfo, Snapshot
+from gpuwatchd.core.model import Finding, GpuInfo, ProcessInfo, Snapshot, fields_of
 from gpuwatchd.decide.floor import infrastructure, unverified_infrastructure
 from gpuwatchd.decide.gpu_ids import same_pci_bus_id
 from gpuwatchd.decide.mig.instances import parent_of
@@ -197,14 +197,9 @@ def process_facts(process: ProcessInfo | None) -> dict[str, object]:
         return {}
     cgroup = process.cgroup
     return {
-        "user": process.user,
-        "uid": process.uid,
-        "comm": process.comm,
+        **fields_of(process, ("user", "uid", "comm")),
         "cmdline": None if process.cmdline is None else command_text(process.cmdline),
-        "state": process.state,
-        "ppid": process.ppid,
-        "pgid": process.pgid,
-        "sid": process.sid,
+        **fields_of(process, ("state", "ppid", "pgid", "sid")),
         "cgroup": None if cgroup is None else cgroup.path,
         "job": None if cgroup is None else cgroup.job_key,
         "unit": None if cgroup is None else cgroup.systemd_unit,

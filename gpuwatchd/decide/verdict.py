@@ -103,9 +103,7 @@ class NodeVerdict:
     @property
     def clean(self) -> bool | None:
         """Every GPU clean; None when NVML could not be asked."""
-        if self.unavailable is not None:
-            return None
-        return all(g.clean for g in self.gpus)
+        return None if self.unavailable is not None else all(g.clean for g in self.gpus)
 
     def to_json(self) -> dict[str, object]:
         return {

@@ -57,8 +57,7 @@ def learn_baselines(
             continue
         if gpu.processes is None or gpu.processes:
             continue
-        holders = host.holders_of(gpu)
-        if any(h.uvm or not host.is_floor(h.pid) for h in holders):
+        if any(h.uvm or not host.is_floor(h.pid) for h in host.holders_of(gpu)):
             continue
         figure = memory_figure(gpu)
         if figure is None:

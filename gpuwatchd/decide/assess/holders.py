@@ -16,6 +16,7 @@ from gpuwatchd.core.model import (
     ProcessInfo,
     Snapshot,
     as_int,
+    fields_of,
 )
 from gpuwatchd.decide.assess.host_view import HostView, relation
 from gpuwatchd.decide.assess.shared import AssessorState, Outcome, mib
@@ -66,11 +67,7 @@ class HolderPass(AssessorState):
                 self.role(pid, gpu, role, owner, note)
 
     def classify(
-        self,
-        pid: int,
-        proc: ProcessInfo | None,
-        holding: DeviceHolding,
-        held: list[GpuInfo],
+        self, pid: int, proc: ProcessInfo | None, holding: DeviceHolding, held: list[GpuInfo]
     ) -> Outcome:
         host = self.host
         if proc is None:
@@ -386,10 +383,7 @@ def _process_evidence(
 ) -> dict[str, object]:
     recorded = lineage.get(proc.identity) if proc.identity is not None else None
     return {
-        "ppid": proc.ppid,
-        "pgid": proc.pgid,
-        "sid": proc.sid,
-        "user": proc.user,
+        **fields_of(proc, ("ppid", "pgid", "sid", "user")),
         "cmdline": command_text(proc.cmdline) if proc.cmdline is not None else None,
         "cgroup": proc.cgroup.path if proc.cgroup is not None else None,
         "job": proc.cgroup.job_key if proc.cgroup is not None else None,

@@ -70,10 +70,9 @@ def _dead_pid_explained(
     for proc in host.procs.values():
         if pid in (proc.ppid, proc.pgid, proc.sid):
             return True
-        if proc.identity is not None:
-            recorded = lineage.get(proc.identity)
-            if recorded is not None and pid in (recorded.ppid, recorded.pgid, recorded.sid):
-                return True
+        recorded = lineage.get(proc.identity) if proc.identity is not None else None
+        if recorded is not None and pid in (recorded.ppid, recorded.pgid, recorded.sid):
+            return True
     return False
 
 
@@ -141,12 +140,7 @@ class Outcome:
 class AssessorState:
     """One assessment's state while its passes run (``passes.py`` composes the passes)."""
 
-    def __init__(
-        self,
-        snapshot: Snapshot,
-        previous: AssessState,
-        detection: Detection,
-    ) -> None:
+    def __init__(self, snapshot: Snapshot, previous: AssessState, detection: Detection) -> None:
         self.host = HostView(snapshot)
         self.detection = detection
         host = self.host
@@ -183,9 +177,7 @@ class AssessorState:
         self.notes.setdefault(gpu.uuid, []).append(text)
 
     def blocked(self, gpus: Iterable[GpuInfo]) -> bool:
-        if NODE in self.report_only:
-            return True
-        return any(g.uuid in self.report_only for g in gpus)
+        return NODE in self.report_only or any(g.uuid in self.report_only for g in gpus)
 
     def add(
         self,
@@ -271,8 +263,7 @@ class AssessorState:
     def result(self) -> Assessment:
         order = {gpu.uuid: gpu.index for gpu in self.host.gpus}
         findings = sorted(
-            self.findings,
-            key=lambda f: (order.get(f.gpu or "", -1), f.kind.value, f.pid or 0),
+            self.findings, key=lambda f: (order.get(f.gpu or "", -1), f.kind.value, f.pid or 0)
         )
         roles = sorted(self.roles, key=lambda r: (order.get(r.gpu, -1), r.pid))
         return Assessment(

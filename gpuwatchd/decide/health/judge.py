@@ -302,10 +302,7 @@ def _judge_xids(
 
 
 def _reasons(
-    health: GpuHealth,
-    xids: Mapping[int, XidRecord],
-    carried: GpuHealthState,
-    ctx: _Context,
+    health: GpuHealth, xids: Mapping[int, XidRecord], carried: GpuHealthState, ctx: _Context
 ) -> tuple[dict[FindingKind, list[_Reason]], dict[int, str]]:
     """Every reason this reading gives, by the finding kind it asks for; notes per Xid."""
     fabric_faults = fabric.problems(health)

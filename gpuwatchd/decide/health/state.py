@@ -194,12 +194,11 @@ def _kernel_log_state(entry: Mapping[str, object], what: str) -> GpuHealthState:
         pid = raw.get("pid")
         if pid is not None and as_int(pid) is None:
             raise ValueError(f"{where}.pid: expected an integer or null")
-        text = _opt_str(raw.get("text", ""), where)
         details[xid] = XidDetail(
             pid=as_int(pid),
             process=_opt_str(raw.get("process"), where, 64),
             job=_opt_str(raw.get("job"), where, MAX_JOB),
-            text=text or "",
+            text=_opt_str(raw.get("text", ""), where) or "",
             before_start=raw.get("before_start") is True,
             wall=number(raw.get("wall"), where),
         )

@@ -153,10 +153,7 @@ def merge_sources(
 
 
 def notices(
-    gpu: str,
-    merged: Merged,
-    logs: Mapping[int, XidLog],
-    wall: float,
+    gpu: str, merged: Merged, logs: Mapping[int, XidLog], wall: float
 ) -> tuple[tuple[XidNotice, ...], dict[int, XidLog]]:
     """The ``EventName.HEALTH_XID`` notices of this poll, and the carried log state. Pure."""
     new: dict[int, list[Occurrence]] = {}

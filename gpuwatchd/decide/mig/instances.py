@@ -280,8 +280,7 @@ def annotate_findings(
                 replace(finding, kind=kind, actionable=actionable, reason=reason, evidence=evidence)
             )
         elif finding.gpu is None and finding.pid is not None and finding.pid in layout.parent_only:
-            parents = layout.parent_only[finding.pid]
-            result.append(_parent_only_finding(finding, parents, snapshot))
+            result.append(_parent_only_finding(finding, layout.parent_only[finding.pid], snapshot))
         else:
             result.append(finding)
     return result

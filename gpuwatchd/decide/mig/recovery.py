@@ -160,18 +160,13 @@ def recovery_blockers(
 ) -> list[str]:
     """The final scan of a recovery (docs/internals.md); an unreadable process blocks."""
     fresh = replace(
-        last,
-        holders=holders,
-        processes={**last.processes, **processes},
-        self_pids=self_pids,
+        last, holders=holders, processes={**last.processes, **processes}, self_pids=self_pids
     )
-    why = instance_blockers(fresh, instance_uuid)
-    why += [
+    return instance_blockers(fresh, instance_uuid) + [
         f"pid {pid}: fds/maps unreadable (unknown is not none)"
         for pid in sorted(holders.unreadable)
         if pid not in self_pids
     ]
-    return why
 
 
 def recovery_argvs(

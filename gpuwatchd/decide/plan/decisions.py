@@ -142,10 +142,8 @@ def _forget_boot(w: Work) -> None:
     # Monotonic times and process identities mean nothing after a reboot; wall-time reset
     # history, the circuit breaker, forced dry-run and pause are kept.
     w.seen, w.ladders, w.quiet_until, w.signal_history = {}, {}, {}, []
-    w.signal_scopes = {}
-    w.health_waits = {}
+    w.signal_scopes, w.health_waits, w.health_drained = {}, {}, {}
     w.reset_refusals = {}  # a reboot resets every GPU
-    w.health_drained = {}
     w.shadow.new_boot()
     # Latches hold on: their monotonic anchors are of the old boot (anchored again).
     w.scope_latches = {k: replace(v, since_monotonic=None) for k, v in w.scope_latches.items()}

@@ -112,11 +112,7 @@ def finding_fields(finding: Finding) -> dict[str, object]:
     return {
         "finding": finding.key,
         "kind": finding.kind.value,
-        "gpu": finding.gpu,
-        "pid": finding.pid,
-        "start_ticks": finding.start_ticks,
-        "memory": finding.memory,
-        "reason": finding.reason,
+        **fields_of(finding, ("gpu", "pid", "start_ticks", "memory", "reason")),
     }
 
 

@@ -136,8 +136,7 @@ def _reset_came_back(w: Work, intent: ResetIntent, undrained: bool) -> float:
     """The reset of ``intent`` is no longer in flight: its post-action delay (0 when it was not
     the one in flight). ``undrained``: it succeeded, so its after hooks undid the drain."""
     # One MIG GPU instance re-created leaves its GPU's health drain as it was.
-    if intent.instance is not None:
-        undrained = False
+    undrained = undrained and intent.instance is None
     if undrained and (not intent.dry_run or w.health_drained.get(intent.gpu) is True):
         w.health_drained.pop(intent.gpu, None)
     in_flight = w.state.reset_in_flight

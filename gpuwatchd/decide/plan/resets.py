@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from gpuwatchd.core.model import Finding, FindingKind, GpuInfo, Snapshot
+from gpuwatchd.core.model import Finding, FindingKind, GpuInfo, Snapshot, fields_of
 from gpuwatchd.core.vocabulary import EventName, LadderStatus, Level
 from gpuwatchd.decide.floor import live_holder
 from gpuwatchd.decide.kinds import LIVE_HOLDER
@@ -387,8 +387,7 @@ def consider_reset(w: Work, ctx: Ctx, finding: Finding) -> None:
         return
     if gpu is None:
         return  # _reset_blocker refused it already; this is for the type checker
-    lasted = ctx.now - w.seen[finding.key].first_seen
-    why = f"ghost memory confirmed for {lasted:.0f}s"
+    why = f"ghost memory confirmed for {ctx.now - w.seen[finding.key].first_seen:.0f}s"
     instance = None
     if gpu.uuid != finding.gpu:
         instance = instance_recovery(ctx.snapshot, finding)
@@ -410,13 +409,10 @@ def start_reset(
     """Hand one GPU's reset (or its MIG GPU ``instance``'s re-creation) to act: the one reset
     path (``drained``: a health reset's drain hooks ran already)."""
     dry = is_dry_run(w, ctx)
-    lasted = ctx.now - w.seen[finding.key].first_seen
     facts = {
         **finding_fields(finding),
-        "gpu": gpu.uuid,
-        "pci_bus_id": gpu.pci_bus_id,
-        "minor": gpu.minor,
-        "lasted": lasted,
+        **fields_of(gpu, ("gpu=uuid", "pci_bus_id", "minor")),
+        "lasted": ctx.now - w.seen[finding.key].first_seen,
         "evidence": dict(finding.evidence),
     }
     if instance is not None:

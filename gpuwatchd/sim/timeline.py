@@ -121,18 +121,10 @@ class TimelineNamer:
 # RESET_FINISHED says what the RESET_OUTCOME line after it says again.
 _QUIET = frozenset({EventName.ESCALATION_SIGNAL_RECORDED, EventName.RESET_FINISHED})
 _COLUMN = {
-    "finding": "finding",
-    "escalation": "plan",
-    "action": "action",
-    "rule": "plan",
-    "target": "target",
-    "zombie": "plan",
+    **{word: word for word in ("finding", "action", "target", "reset", "hook", "health", "world")},
+    **dict.fromkeys(("escalation", "rule", "zombie"), "plan"),
     "limits": "LIMIT",
-    "reset": "reset",
     "gpu": "GPU",
-    "hook": "hook",
-    "health": "health",
-    "world": "world",
     "daemon": "admin",
 }
 

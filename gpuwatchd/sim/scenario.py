@@ -372,8 +372,7 @@ class _Reader(GpuReader):
         return EventSpec(at, "spare", line, job=job, value=reason, lasts=lasts)
 
     def name_ref(self, node: Node) -> str:
-        name = self.string(node)
-        if name not in self.names:
+        if (name := self.string(node)) not in self.names:
             known = ", ".join(sorted(self.names)) or "none"
             raise node.error(f"no process named {shown(name)} in this scenario ({known})")
         return name

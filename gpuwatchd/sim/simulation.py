@@ -506,13 +506,11 @@ class VirtualHost:
         self, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
     ) -> CommandResult:
         args = tuple(argv)
-        hook = (env or {}).get("GPUWATCHD_EVENT")
-        if hook is not None:
+        if (hook := (env or {}).get("GPUWATCHD_EVENT")) is not None:
             return self.hook(args, hook)
         if args in self.mig:
             return self.mig_command(args)
-        known = self.commands.get(args)
-        if known is None:
+        if (known := self.commands.get(args)) is None:
             error = f"cannot run {args[0] if args else '?'}: not a command of the virtual host"
             return CommandResult(args, None, "", False, 0.0, error)
         what, gpu = known

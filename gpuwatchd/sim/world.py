@@ -245,8 +245,7 @@ class World:
         while current > 1 and current not in seen:
             yield current
             seen.add(current)
-            parent = self.procs.get(current)
-            if parent is None:
+            if (parent := self.procs.get(current)) is None:
                 return
             current = parent.ppid
 

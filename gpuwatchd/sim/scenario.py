@@ -286,8 +286,7 @@ class _Reader(GpuReader):
             raise node.error("expected a mapping of GPU index to memory, e.g. {0: 10GiB}")
         result: dict[int, int | None] = {}
         for key, value in node.entries.items():
-            index = decimal(key)
-            if index is None or index not in self.gpus:
+            if (index := decimal(key)) is None or index not in self.gpus:
                 raise value.error(f"no GPU with index {shown(key)} in this scenario")
             is_null = isinstance(value, Scalar) and value.value is None
             result[index] = None if is_null else self.size(value)

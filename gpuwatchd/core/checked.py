@@ -77,8 +77,7 @@ def by_name(value: object, what: str, limit: int | None = None) -> Mapping[str, 
 
 
 def integer(value: object, what: str) -> int:
-    number = as_int(value)
-    if number is None:
+    if (number := as_int(value)) is None:
         raise ValueError(f"{what}: expected an integer")
     return number
 
@@ -97,8 +96,7 @@ def number(value: object, what: str) -> float:
     """A finite number (an integer or a float, never a bool), as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{what}: expected a number")
-    found = as_number(value)
-    if found is None:
+    if (found := as_number(value)) is None:
         raise ValueError(f"{what}: expected a finite number")
     return found
 

@@ -279,8 +279,7 @@ class Engine:
         """The wall clock stepped back to ``wall`` since the plan's last wall time: the health
         history's times move with it, as the plan's do when it books at ``wall`` (the plan's
         rebase_wall: an Xid after a reset is after it, one before it stays before it)."""
-        last = self.state.plan.last_wall
-        if last is not None and wall < last:
+        if (last := self.state.plan.last_wall) is not None and wall < last:
             moved = rebase_wall(self.state.assess.health, last - wall)
             self.state.assess = replace(self.state.assess, health=moved)
 
@@ -460,8 +459,7 @@ class Engine:
     def _hooks(self, intent: HookIntent) -> tuple[Intent, ...]:
         """Run the hooks ``intent`` names: ``on_action`` in the background (a notification
         never delays a poll), the others here (watchdog-fed)."""
-        hooks = self._hooks_for(intent)
-        if not hooks:
+        if not (hooks := self._hooks_for(intent)):
             return ()
         facts = intent.facts
         kept: dict[str, object] = {}
@@ -749,11 +747,9 @@ class Engine:
         would be refused as "another reset is in flight").
         ``pause``: the pause switch read before it (one set while the daemon was down holds
         the booked outcome's ``on_failure`` hooks as any pause does)."""
-        record = self.state.reset_in_progress
-        if record:
+        if record := self.state.reset_in_progress:
             self._resume(record, pause)
-        flight = self.state.plan.reset_in_flight
-        if flight is not None:
+        if (flight := self.state.plan.reset_in_flight) is not None:
             rebooted = record is not None and of_another_boot(record)
             self._drop_in_flight(flight.gpu, REBOOTED if rebooted else NOT_RECORDED)
             self.checkpoint()
@@ -761,8 +757,7 @@ class Engine:
     def _drop_in_flight(self, gpu: str, why: str) -> None:
         """The plan's reset of ``gpu`` in flight is no longer, with no outcome booked (none
         will come back: ``why``); said as ``EventName.RESET_IN_FLIGHT_CLEARED``."""
-        flight = self.state.plan.reset_in_flight
-        if flight is None or flight.gpu != gpu:
+        if (flight := self.state.plan.reset_in_flight) is None or flight.gpu != gpu:
             return
         self.state.plan = replace(self.state.plan, reset_in_flight=None)
         self.emit(
@@ -828,15 +823,13 @@ class Engine:
         holders, processes = self.reader.final_scan(target.minor)
         own = self.reader.self_pids() | ignore
         if target.recovery is not None:
-            last = self._snapshot
-            if last is None:
+            if (last := self._snapshot) is None:
                 return ["no snapshot to place the holders in MIG GPU instances"]
             return recovery_blockers(last, holders, processes, own, target.recovery.mig_uuid)
         return reset_blockers(holders, processes, target.minor, own)
 
     def find_monitors(self, target: ResetTarget) -> list[StoppableMonitor]:
-        last = self._snapshot
-        if last is None:
+        if (last := self._snapshot) is None:
             return []  # no NVML reading to tell context owners: nothing is stopped
         owners = {p.pid for g in last.nvml.gpus for p in g.processes or ()}
         holders, processes = self.reader.final_scan(target.minor)

@@ -45,8 +45,6 @@ from gpuwatchd.sim.scenario_spec import (
 )
 from gpuwatchd.state.spares import parse_target
 
-_TOP_KEYS = keys_of(Scenario, but=("path",))  # the file's keys are its fields
-
 # sigterm_delay is said in on_sigterm; line is where the process was read
 _PROCESS_KEYS = keys_of(ProcessSpec, but=("sigterm_delay", "line"))
 
@@ -98,11 +96,10 @@ class _Reader(GpuReader):
     """Turns the positioned YAML tree into a Scenario, stopping at the first problem."""
 
     def scenario(self, root: Map) -> Scenario:
-        top = self.mapping(root, _TOP_KEYS)
+        top = self.mapping(root, keys_of(Scenario, but=("path",)))  # its keys are its fields
         get = top.entries.get
         duration_node = self.required(top, "duration", " (e.g. '10m')")
-        duration = self.duration(duration_node)
-        if duration <= 0:
+        if (duration := self.duration(duration_node)) <= 0:
             raise duration_node.error("must be longer than 0s")
         interval = INTERVAL.read(n) if (n := get("interval")) is not None else None
         description = self.string(d) if (d := get("description")) is not None else ""
@@ -152,8 +149,7 @@ class _Reader(GpuReader):
         for position, node in enumerate([*listed, *started]):
             m = self.mapping(node, _PROCESS_KEYS)
             name_node = self.required(m, "name")
-            name = self.string(name_node)
-            if not name:
+            if not (name := self.string(name_node)):
                 raise name_node.error("a process name cannot be empty")
             if name in self.names:
                 raise name_node.error(f"two processes are named {shown(name)}")
@@ -290,8 +286,7 @@ class _Reader(GpuReader):
             raise node.error("expected a mapping of GPU index to memory, e.g. {0: 10GiB}")
         result: dict[int, int | None] = {}
         for key, value in node.entries.items():
-            index = decimal(key)
-            if index is None or index not in self.gpus:
+            if (index := decimal(key)) is None or index not in self.gpus:
                 raise value.error(f"no GPU with index {shown(key)} in this scenario")
             is_null = isinstance(value, Scalar) and value.value is None
             result[index] = None if is_null else self.size(value)
@@ -331,20 +326,16 @@ class _Reader(GpuReader):
         if action == "reset_result":
             return EventSpec(at, action, m.line, value=self.choice(value, RESET_RESULTS))
         if action in ("xid", "health"):
-            keys = ("gpu", "xid") if action == "xid" else ("gpu", *HEALTH_KEYS)
-            hm = self.mapping(value, keys)
-            gpu_node = hm.entries.get("gpu")
-            if gpu_node is None:
+            hm = self.mapping(value, ("gpu", "xid") if action == "xid" else ("gpu", *HEALTH_KEYS))
+            if (gpu_node := hm.entries.get("gpu")) is None:
                 raise hm.error(f"{action} needs 'gpu'")
             gpu = self.gpu_index(gpu_node)
             if action == "health":
                 rest = {k: v for k, v in hm.entries.items() if k != "gpu"}
                 return EventSpec(at, action, m.line, gpu=gpu, health=self.health(rest))
-            xid_node = hm.entries.get("xid")
-            if xid_node is None:
+            if (xid_node := hm.entries.get("xid")) is None:
                 raise hm.error("xid needs 'xid' (the Xid number)")
-            number = self.integer(xid_node, 1)
-            if number > 0xFFFF:
+            if (number := self.integer(xid_node, 1)) > 0xFFFF:
                 raise xid_node.error("an Xid number is at most 65535")
             return EventSpec(at, action, m.line, gpu=gpu, xid=number)
         if action == "state":
@@ -367,8 +358,7 @@ class _Reader(GpuReader):
         reason = self.string(sm.entries["reason"])[:MAX_REASON] if "reason" in sm.entries else ""
         if len(who) != 1 or "for" not in sm.entries or not reason:  # as gpuwatchd spare, cut
             raise sm.error("spare needs 'for', a 'reason' and one of 'process' or 'job'")
-        lasts = self.duration(sm.entries["for"])
-        if lasts <= 0:
+        if (lasts := self.duration(sm.entries["for"])) <= 0:
             raise sm.entries["for"].error("a spare lasts more than 0s")
         if who == ["process"]:
             name = self.name_ref(sm.entries["process"])
@@ -381,8 +371,7 @@ class _Reader(GpuReader):
         return EventSpec(at, "spare", line, job=job, value=reason, lasts=lasts)
 
     def name_ref(self, node: Node) -> str:
-        name = self.string(node)
-        if name not in self.names:
+        if (name := self.string(node)) not in self.names:
             known = ", ".join(sorted(self.names)) or "none"
             raise node.error(f"no process named {shown(name)} in this scenario ({known})")
         return name

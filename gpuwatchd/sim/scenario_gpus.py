@@ -109,8 +109,7 @@ class ReaderBase:
         return size
 
     def choice(self, node: Node, choices: Sequence[str]) -> str:
-        value = self.string(node)
-        if value not in choices:
+        if (value := self.string(node)) not in choices:
             raise node.error(f"expected one of {', '.join(choices)}, got {shown(value)}")
         return value
 
@@ -152,8 +151,7 @@ class GpuReader(ReaderBase):
         self.gpus = {gpu.index: gpu for gpu in gpus}
 
     def gpu_index(self, node: Node) -> int:
-        index = self.integer(node)
-        if index not in self.gpus:
+        if (index := self.integer(node)) not in self.gpus:
             raise node.error(f"no GPU with index {index} in this scenario")
         return index
 

@@ -30,6 +30,7 @@ from gpuwatchd.core.model import (
     ProcessInfo,
     Snapshot,
     Spare,
+    fields_of,
 )
 from gpuwatchd.core.vocabulary import EventName, Level, SignalOutcome, TimelineEvent
 from gpuwatchd.decide.argv import format_argv
@@ -266,38 +267,31 @@ class Simulation:
         self._apply_to_gpu(event)
 
     def _apply_to_process(self, event: EventSpec) -> None:
-        world = self.world
-        action = event.action
-        if action == "exit" and event.target is not None:
-            proc = world.history.get(event.target)
-            if proc is not None and proc.alive:
-                self.exit_process(proc, "scenario: exit")
+        world, action = self.world, event.action
+        proc = None if event.target is None else world.history.get(event.target)  # by its name
+        if action == "exit" and proc is not None and proc.alive:
+            self.exit_process(proc, "scenario: exit")
         elif action == "start" and event.process is not None:
             spec = event.process
-            proc = world.start(spec, at=self.now)
+            started = world.start(spec, at=self.now)
             said = f"{spec.name} (pid {spec.pid}) started: {' '.join(spec.command)}"
             self.happened(TimelineEvent.START, said, process=spec.name, pid=spec.pid)
             if spec.exits_at is not None:
-                self.exit_later(proc, spec.exits_at, "exits_at")
-        elif action == "state" and event.target is not None and event.value is not None:
-            proc = world.history.get(event.target)
-            if proc is not None and proc.alive:
-                proc.state = event.value
-                said = f"{proc.name} (pid {proc.pid}) is now in state {event.value}"
-                self.happened(
-                    TimelineEvent.STATE, said, process=proc.name, pid=proc.pid, state=event.value
-                )
-                if event.value != "D" and any(s == "SIGKILL" for _, s, _ in proc.signals):
-                    self.exit_later(proc, 0, "killed by SIGKILL, pending while in D state")
-        elif action == "reap" and event.target is not None:
-            proc = world.history.get(event.target)
-            if proc is not None and proc.present and not proc.alive:
-                world.reap(proc)
-                self.happened(TimelineEvent.REAP, f"zombie {proc.name} was reaped", pid=proc.pid)
+                self.exit_later(started, spec.exits_at, "exits_at")
+        elif action == "state" and proc is not None and proc.alive and event.value is not None:
+            proc.state = event.value
+            said = f"{proc.name} (pid {proc.pid}) is now in state {event.value}"
+            self.happened(
+                TimelineEvent.STATE, said, process=proc.name, pid=proc.pid, state=event.value
+            )
+            if event.value != "D" and any(s == "SIGKILL" for _, s, _ in proc.signals):
+                self.exit_later(proc, 0, "killed by SIGKILL, pending while in D state")
+        elif action == "reap" and proc is not None and proc.present and not proc.alive:
+            world.reap(proc)
+            self.happened(TimelineEvent.REAP, f"zombie {proc.name} was reaped", pid=proc.pid)
 
     def _apply_to_gpu(self, event: EventSpec) -> None:
-        world = self.world
-        action = event.action
+        world, action = self.world, event.action
         gpu = None if event.gpu is None else world.gpus[event.gpu]  # set_memory, xid, health
         if action == "set_memory" and gpu is not None and event.memory is not None:
             charged = world.allocated(gpu) - gpu.base
@@ -366,18 +360,13 @@ class Simulation:
         ]
         processes = [
             {
-                "name": proc.name,
-                "pid": proc.pid,
-                "status": proc.status,
-                "exited_at": proc.exited_at,
-                "exit_why": proc.exit_why,
+                **fields_of(proc, ("name", "pid", "status", "exited_at", "exit_why")),
                 "signals": [{"t": t, "signal": s} for t, s, _ in proc.signals],
             }
             for proc in world.history.values()
         ]
         standing = self.engine.standing()  # as the last poll and the exits since left it
         findings = [f.key for f in standing.assessment.findings] if standing.assessment else []
-        state = standing.plan
         return {
             "t": self.now,
             "gpus": gpus,
@@ -390,13 +379,9 @@ class Simulation:
                 if e.name == EventName.RESET_OUTCOME
             ],
             "hooks_run": sum(
-                1
-                for e in self.timeline
-                if e.name == EventName.HOOK_RUN and not e.fields.get("dry_run")
+                e.name == EventName.HOOK_RUN and not e.fields.get("dry_run") for e in self.timeline
             ),
-            "forced_dry_run": state.forced_dry_run,
-            "circuit_open": state.circuit_open,
-            "paused": state.paused,
+            **fields_of(standing.plan, ("forced_dry_run", "circuit_open", "paused")),
         }
 
 
@@ -521,13 +506,11 @@ class VirtualHost:
         self, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
     ) -> CommandResult:
         args = tuple(argv)
-        hook = (env or {}).get("GPUWATCHD_EVENT")
-        if hook is not None:
+        if (hook := (env or {}).get("GPUWATCHD_EVENT")) is not None:
             return self.hook(args, hook)
         if args in self.mig:
             return self.mig_command(args)
-        known = self.commands.get(args)
-        if known is None:
+        if (known := self.commands.get(args)) is None:
             error = f"cannot run {args[0] if args else '?'}: not a command of the virtual host"
             return CommandResult(args, None, "", False, 0.0, error)
         what, gpu = known

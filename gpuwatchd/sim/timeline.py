@@ -121,18 +121,10 @@ class TimelineNamer:
 # RESET_FINISHED says what the RESET_OUTCOME line after it says again.
 _QUIET = frozenset({EventName.ESCALATION_SIGNAL_RECORDED, EventName.RESET_FINISHED})
 _COLUMN = {
-    "finding": "finding",
-    "escalation": "plan",
-    "action": "action",
-    "rule": "plan",
-    "target": "target",
-    "zombie": "plan",
+    **{word: word for word in ("finding", "action", "target", "reset", "hook", "health", "world")},
+    **dict.fromkeys(("escalation", "rule", "zombie"), "plan"),
     "limits": "LIMIT",
-    "reset": "reset",
     "gpu": "GPU",
-    "hook": "hook",
-    "health": "health",
-    "world": "world",
     "daemon": "admin",
 }
 
@@ -161,8 +153,7 @@ def render_text(result: SimulationResult) -> str:
         column = _COLUMN.get(entry.name.split(".", 1)[0], "sim")
         lines.append(f"{_fmt_t(entry.t):>9}  {column:<8} {entry.text}")
     final = result.final
-    lines.append("")
-    lines.append(f"final state at {_fmt_t(float(final['t']))} ({result.polls} polls):")  # type: ignore[arg-type]
+    lines += ["", f"final state at {_fmt_t(float(final['t']))} ({result.polls} polls):"]  # type: ignore[arg-type]
     for gpu in final["gpus"]:  # type: ignore[attr-defined]
         lost = ", LOST" if gpu["lost"] else ""
         lines.append(

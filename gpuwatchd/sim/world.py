@@ -245,8 +245,7 @@ class World:
         while current > 1 and current not in seen:
             yield current
             seen.add(current)
-            parent = self.procs.get(current)
-            if parent is None:
+            if (parent := self.procs.get(current)) is None:
                 return
             current = parent.ppid
 
@@ -366,14 +365,13 @@ class World:
             if not proc.spec.visible or not (proc.minors or proc.ctl or proc.uvm):
                 continue
             via = proc.spec.holds.via
-            caps = self._capabilities(proc)
             holdings[pid] = DeviceHolding(
                 pid=pid,
                 gpu_minors_fd=proc.minors if via in ("fd", "both") else frozenset(),
                 gpu_minors_map=proc.minors if via in ("map", "both") else frozenset(),
                 ctl=proc.ctl,
                 uvm=proc.uvm,
-                cap_minors_fd=caps,  # the driver keeps the capability fd in the fd table
+                cap_minors_fd=self._capabilities(proc),  # the driver keeps the fd in the fd table
             )
         return HolderScan(mode="full", holdings=holdings)
 
@@ -470,10 +468,8 @@ class World:
 
     def nvml(self, *, take_events: bool = False) -> NvmlReading:
         infos = []
-        for index in sorted(self.gpus):
-            gpu = self.gpus[index]
-            spec = gpu.spec
-            allocated = self.allocated(gpu)
+        for index, gpu in sorted(self.gpus.items()):
+            spec, allocated = gpu.spec, self.allocated(gpu)
             infos.append(
                 GpuInfo(
                     index=index,

@@ -324,8 +324,16 @@ def perform_reset(
     if isinstance(prepared, str):
         outcome = ResetOutcome(ResetResult.REFUSED, ResetStep.DRAIN, prepared, False, None, ())
         return _finished(env, target, outcome, dry_run, Level.ERROR)
-    proc = Procedure(target, reset, env, prepared, dry_run=dry_run, runner=runner, drained=drained)
-    proc.fabric_wait = fabric_wait
+    proc = Procedure(
+        target,
+        reset,
+        env,
+        prepared,
+        dry_run=dry_run,
+        runner=runner,
+        drained=drained,
+        fabric_wait=fabric_wait,
+    )
     return _up_to_final_scan(proc) or _reset_and_check(proc)
 
 

@@ -342,14 +342,16 @@ def render_explanation(result: Mapping[str, object]) -> str:
     if not items:
         lines.append("no findings: nothing would be done")
     for item in items:  # type: ignore[attr-defined]
-        because = "; ".join(item["no_rule_because"]) or "nothing to do for this kind"
-        rule = f"none ({because})" if item["rule"] is None else item["rule"]
-        lines += [
-            "",
+        lines.append("")
+        lines.append(
             f"{item['kind']} {'pid ' + str(item['pid']) if item['pid'] else 'gpu'} "
-            f"on {item['gpu']}: {item['reason']}",
-            f"  rule: {rule}",
-        ]
+            f"on {item['gpu']}: {item['reason']}"
+        )
+        if item["rule"] is None:
+            because = "; ".join(item["no_rule_because"]) or "nothing to do for this kind"
+            lines.append(f"  rule: none ({because})")
+        else:
+            lines.append(f"  rule: {item['rule']}")
         nxt = item["next"]
         if nxt is not None:
             lines.append(f"  next: {nxt['action']} {until(nxt['in'])} (from {nxt['basis']})")

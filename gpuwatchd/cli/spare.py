@@ -113,9 +113,11 @@ def spare_command(
 def _no_target(*, cancel: bool) -> CliError:
     """What is missing when --for, --reason or --cancel came without a target: that is never
     a listing (only --list, or spare alone, is)."""
-    flag = "--cancel " if cancel else ""
-    why = f"spare {flag}needs a target (PID or job:ID): nothing is {_left(cancel)}"
-    return CliError(why, ExitCode.CONFIG)
+    if cancel:
+        what = "--cancel needs a target (PID or job:ID): nothing is changed"
+    else:
+        what = "needs a target (PID or job:ID): nothing is spared"
+    return CliError(f"spare {what}", ExitCode.CONFIG)
 
 
 def _left(cancel: bool) -> str:

@@ -30,6 +30,7 @@ from gpuwatchd.core.procstat import StatFields, parse_stat
 from gpuwatchd.decide.floor import claims_infrastructure, names_infrastructure_unit
 from gpuwatchd.decide.patterns import MAX_COMMAND_TEXT
 
+_CAP_SYS_ADMIN = 21  # reads trusted.* extended attributes (the delegation mark)
 DEFAULT_PID_MAX = 4194304
 # Inode numbers of the initial namespaces, fixed by the kernel (include/linux/proc_ns.h).
 PROC_PID_INIT_INO = 0xEFFFFFFC
@@ -136,7 +137,7 @@ class ProcFS:
         if pids is not True:
             return pids
         cgroup_ns = _ns_link(f"{self.root}/self/ns/cgroup")
-        if isinstance(cgroup_ns, FileNotFoundError):
+        if isinstance(cgroup_ns, FileNotFoundError):  # a kernel without cgroup namespaces
             return True
         return None if isinstance(cgroup_ns, OSError) else cgroup_ns == PROC_CGROUP_INIT_INO
 
@@ -272,7 +273,7 @@ class ProcFS:
             mountinfo = _read_text(f"{self.root}/self/mountinfo")
         except OSError:
             mountinfo = ""
-        blind = missing_capabilities(self.root, {"CAP_SYS_ADMIN": 21})
+        blind = missing_capabilities(self.root, {"CAP_SYS_ADMIN": _CAP_SYS_ADMIN})
         return None if blind else parse_systemd_mount(mountinfo)
 
     def exe_trusted(self, pid: int, exe: str | None) -> bool | None:

@@ -14,9 +14,18 @@ from gpuwatchd.config.yamlsrc import ConfigError, describe_value, did_you_mean, 
 
 DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h|d)")
-# Binary units, then decimal ones (``kB`` and ``KB`` alike), in the order the errors list them.
-SIZE_UNITS = {"B": 1, **{f"{p}iB": 1024**n for n, p in enumerate("KMGT", 1)}, "kB": 1000}
-SIZE_UNITS |= {f"{p}B": 1000**n for n, p in enumerate("KMGT", 1)}
+SIZE_UNITS = {
+    "B": 1,
+    "KiB": 1024,
+    "MiB": 1024**2,
+    "GiB": 1024**3,
+    "TiB": 1024**4,
+    "kB": 1000,
+    "KB": 1000,
+    "MB": 1000**2,
+    "GB": 1000**3,
+    "TB": 1000**4,
+}
 _SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]+)")
 
 

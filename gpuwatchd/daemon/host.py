@@ -145,8 +145,11 @@ class HookQueue:
 
     def _crashed(self, error: str) -> None:
         if self.on_crash is not None:
-            with contextlib.suppress(Exception):  # it failed too: said below, the last resort
+            try:
                 self.on_crash(error)
+            except Exception:  # noqa: S110 - said below, the last resort
+                pass
+            else:
                 return
         LogSink().emit(
             EventName.HOOK_RUN,

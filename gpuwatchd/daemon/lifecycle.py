@@ -657,6 +657,8 @@ class Daemon:
         if name in _ACTION_EVENTS:
             pid = fields.get("pid")
             outcome = fields.get("outcome") or fields.get("result")
+            if name == EventName.HOOK_RUN:
+                outcome = hook_outcome(fields)
             self.actions_seen += 1
             self.recent_actions.append(
                 {
@@ -666,7 +668,7 @@ class Daemon:
                     "pid": pid if isinstance(pid, int) else None,
                     "signal": fields.get("signal"),
                     "hook": fields.get("hook"),
-                    "outcome": hook_outcome(fields) if name == EventName.HOOK_RUN else outcome,
+                    "outcome": outcome,
                     "dry_run": fields.get("dry_run") is True,
                     "sentence": action_sentence(name, fields),
                 }

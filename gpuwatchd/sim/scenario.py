@@ -45,6 +45,8 @@ from gpuwatchd.sim.scenario_spec import (
 )
 from gpuwatchd.state.spares import parse_target
 
+_TOP_KEYS = keys_of(Scenario, but=("path",))  # the file's keys are its fields
+
 # sigterm_delay is said in on_sigterm; line is where the process was read
 _PROCESS_KEYS = keys_of(ProcessSpec, but=("sigterm_delay", "line"))
 
@@ -96,7 +98,7 @@ class _Reader(GpuReader):
     """Turns the positioned YAML tree into a Scenario, stopping at the first problem."""
 
     def scenario(self, root: Map) -> Scenario:
-        top = self.mapping(root, keys_of(Scenario, but=("path",)))  # its keys are its fields
+        top = self.mapping(root, _TOP_KEYS)
         get = top.entries.get
         duration_node = self.required(top, "duration", " (e.g. '10m')")
         if (duration := self.duration(duration_node)) <= 0:

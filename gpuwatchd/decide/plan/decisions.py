@@ -131,26 +131,24 @@ def another_boots(state: PlanState, *, rebooted: bool = True) -> PlanState:
     (this boot's id is unreadable: maybe the same boot), what only a reboot ends on the GPUs
     stays: refused resets, half-done MIG recoveries, drains done."""
     w = Work(state)
-    _forget_boot(w)
-    if not rebooted:
-        w.reset_refusals, w.health_drained = dict(state.reset_refusals), dict(state.health_drained)
-        w.state = replace(w.state, mig_unfinished=state.mig_unfinished)
+    _forget_boot(w, rebooted=rebooted)
     return w.freeze()
 
 
-def _forget_boot(w: Work) -> None:
+def _forget_boot(w: Work, *, rebooted: bool = True) -> None:
     # Monotonic times and process identities mean nothing after a reboot; wall-time reset
     # history, the circuit breaker, forced dry-run and pause are kept.
     w.seen, w.ladders, w.quiet_until, w.signal_history = {}, {}, {}, []
-    w.signal_scopes, w.health_waits, w.health_drained = {}, {}, {}
-    w.reset_refusals = {}  # a reboot resets every GPU
+    w.signal_scopes, w.health_waits = {}, {}
+    if rebooted:  # a reboot resets every GPU and takes every MIG instance down
+        w.reset_refusals, w.health_drained = {}, {}
+        w.state = replace(w.state, mig_unfinished={})  # a half-done recovery is no longer
     w.shadow.new_boot()
     # Latches hold on: their monotonic anchors are of the old boot (anchored again).
     w.scope_latches = {k: replace(v, since_monotonic=None) for k, v in w.scope_latches.items()}
     w.notes = {k: v for k, v in w.notes.items() if k.startswith("node:")}
-    # ... and takes every MIG instance down: a half-done recovery is no longer half done.
     w.state = replace(w.state, reset_in_flight=None, forced_since_monotonic=None,
-                      last_monotonic=None, mig_unfinished={})  # fmt: skip
+                      last_monotonic=None)  # fmt: skip
 
 
 def _track_findings(w: Work, ctx: Ctx) -> None:

@@ -11,6 +11,7 @@ opens, each asked about at once): tests/system/test_scan_answered.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -165,10 +166,12 @@ def test_a_view_that_cannot_be_marked_dirty_stops_the_watch(
     assert "stale" in watch.error
 
 
-def test_the_daemon_sees_an_open_queued_in_its_watch_before_it_serves_its_view(
-    host: tuple[Path, StateDir],
-) -> None:
-    devices, state = host
+@contextlib.contextmanager
+def _served_clean(
+    devices: Path, state: StateDir
+) -> Iterator[tuple[ViewPublisher, GuardedWatch, ServedPoll]]:
+    """A started watch of ``devices`` marking the view dirty, a clean view published, and the
+    daemon's served poll of it, which finds nothing stale; the watch is closed on leaving."""
     publisher = ViewPublisher(lambda: state, lambda error: None)
     watch = GuardedWatch(str(devices), publisher.mark_dirty)
     assert watch.start()
@@ -176,6 +179,16 @@ def test_the_daemon_sees_an_open_queued_in_its_watch_before_it_serves_its_view(
         publisher.publish(_view(watch))
         served = ServedPoll(_holder_view(watch), None, watch, publisher)
         assert served.stale_because("/proc", str(devices)) is None
+        yield publisher, watch, served
+    finally:
+        watch.close()
+
+
+def test_the_daemon_sees_an_open_queued_in_its_watch_before_it_serves_its_view(
+    host: tuple[Path, StateDir],
+) -> None:
+    devices, state = host
+    with _served_clean(devices, state) as (publisher, watch, served):
         os.close(os.open(devices / "nvidia0", os.O_RDONLY))
         queued = served.stale_because("/proc", str(devices))
         assert "opened since the daemon's last walk" in str(queued)
@@ -183,8 +196,6 @@ def test_the_daemon_sees_an_open_queued_in_its_watch_before_it_serves_its_view(
         assert "is dirty" in str(served.stale_because("/proc", str(devices)))
         publisher.publish(_view(watch))  # the poll that walked publishes a clean view again
         assert served.stale_because("/proc", str(devices)) is None
-    finally:
-        watch.close()
     assert "not working" in str(served.stale_because("/proc", str(devices)))
 
 
@@ -192,33 +203,27 @@ def test_the_daemon_serves_no_view_its_watch_does_not_wholly_cover(
     host: tuple[Path, StateDir],
 ) -> None:
     devices, state = host
-    publisher = ViewPublisher(lambda: state, lambda error: None)
-    watch = GuardedWatch(str(devices), publisher.mark_dirty)
-    assert watch.start()
     read_end, write_end = os.pipe()
     try:
-        publisher.publish(_view(watch))
-        served = ServedPoll(_holder_view(watch), None, watch, publisher)
-        assert served.stale_because("/proc", str(devices)) is None
-        # A device file the watch does not cover (created after it last looked).
-        (devices / "nvidia2").write_bytes(b"")
-        assert "does not cover" in str(served.stale_because("/proc", str(devices)))
-        (devices / "nvidia2").unlink()
-        watch.drain()
-        # A MIG capability file the watch has not looked at yet: not covered either,
-        # until the watch has (its next drain).
-        (devices / "nvidia-caps").mkdir()
-        (devices / "nvidia-caps" / "nvidia-cap7").write_bytes(b"")
-        assert "does not cover" in str(served.stale_because("/proc", str(devices)))
-        watch.drain()
-        publisher.publish(_view(watch))
-        assert served.stale_because("/proc", str(devices)) is None
-        # A descriptor that is no inotify at all, or none.
-        for fd in (read_end, None):
-            other = ServedPoll(_holder_view(None, fd), None, watch, publisher)
-            assert other.stale_because("/proc", str(devices)) is not None
+        with _served_clean(devices, state) as (publisher, watch, served):
+            # A device file the watch does not cover (created after it last looked).
+            (devices / "nvidia2").write_bytes(b"")
+            assert "does not cover" in str(served.stale_because("/proc", str(devices)))
+            (devices / "nvidia2").unlink()
+            watch.drain()
+            # A MIG capability file the watch has not looked at yet: not covered either,
+            # until the watch has (its next drain).
+            (devices / "nvidia-caps").mkdir()
+            (devices / "nvidia-caps" / "nvidia-cap7").write_bytes(b"")
+            assert "does not cover" in str(served.stale_because("/proc", str(devices)))
+            watch.drain()
+            publisher.publish(_view(watch))
+            assert served.stale_because("/proc", str(devices)) is None
+            # A descriptor that is no inotify at all, or none.
+            for fd in (read_end, None):
+                other = ServedPoll(_holder_view(None, fd), None, watch, publisher)
+                assert other.stale_because("/proc", str(devices)) is not None
     finally:
-        watch.close()
         os.close(read_end)
         os.close(write_end)
 

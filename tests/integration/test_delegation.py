@@ -14,7 +14,6 @@ import contextlib
 import os
 import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +26,7 @@ from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.core.model import ProcessInfo
 from gpuwatchd.decide.floor import infrastructure, mps_server, unverified_infrastructure
 from tests.support.fakeproc import FakeProc
+from tests.support.folders import traversable_folder
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to set trusted.* xattrs")
 
@@ -177,13 +177,11 @@ def system_slice() -> Iterator[list[Path]]:
 @pytest.fixture
 def mps_program() -> Iterator[str]:
     """Root's genuine-looking MPS control daemon: a root-owned program in a root-owned folder."""
-    folder = Path(tempfile.mkdtemp(prefix="gpuwatchd-delegation-"))
-    folder.chmod(0o755)
-    target = folder / "nvidia-cuda-mps-control"
-    shutil.copy(SLEEP, target)
-    target.chmod(0o755)
-    yield str(target)
-    shutil.rmtree(folder, ignore_errors=True)
+    with traversable_folder("gpuwatchd-delegation-") as folder:
+        target = folder / "nvidia-cuda-mps-control"
+        shutil.copy(SLEEP, target)
+        target.chmod(0o755)
+        yield str(target)
 
 
 def _start_in(tops: list[Path], path: str, program: str, uid: int) -> subprocess.Popen[bytes]:

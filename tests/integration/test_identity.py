@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,6 +25,7 @@ from gpuwatchd.decide.floor import (
     trusted_identity,
     unverified_infrastructure,
 )
+from tests.support.folders import traversable_folder
 
 USER = 1001
 SLEEP = shutil.which("sleep") or "/bin/sleep"
@@ -42,10 +42,8 @@ Start = Callable[..., ProcessInfo]
 @pytest.fixture
 def folder() -> Iterator[Path]:
     """A folder every user may traverse (pytest's own are root's, mode 0700)."""
-    path = Path(tempfile.mkdtemp(prefix="gpuwatchd-identity-"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with traversable_folder("gpuwatchd-identity-") as path:
+        yield path
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +25,7 @@ import pytest
 from tests.support.daemonrun import SLURM_SCOPE, Run, orphan_host
 from tests.support.fakenvml import GiB, MiB, gpu, process
 from tests.support.fakesmi import FakeSmi
+from tests.support.folders import traversable_folder
 from tests.support.simhost import (
     SimHost,
     needs_pid_namespace,
@@ -51,10 +51,8 @@ pytestmark = [
 @pytest.fixture
 def open_root() -> Iterator[Path]:
     """The simulated host's folder, traversable by every user (pytest's are root's, 0700)."""
-    path = Path(tempfile.mkdtemp(prefix="gpuwatchd-e2e-"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with traversable_folder("gpuwatchd-e2e-") as path:
+        yield path
 
 
 def as_user(uid: int, script: str, *args: str, cgroup: Path | None = None) -> list[str]:

@@ -117,6 +117,15 @@ class Run:
             time.sleep(0.02)
         return predicate()
 
+    def reload_with(self, name: str, text: str) -> None:
+        """Write drop-in ``name`` (``text``) into the policy's conf.d and send the daemon
+        SIGHUP, as an admin's reload does."""
+        dropins = self.config.parent / "conf.d"
+        dropins.mkdir(exist_ok=True)
+        (dropins / name).write_text(text)
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGHUP)
+
     def saw(self, event: str, **fields: Any) -> bool:
         return any(
             e.get("event") == event and all(e.get(k) == v for k, v in fields.items())

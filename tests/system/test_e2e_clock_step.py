@@ -21,8 +21,6 @@ frees the orphan.
 from __future__ import annotations
 
 import glob
-import os
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -105,11 +103,7 @@ def host_clock_steps(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         out["resumed_forward"] = run.saw("daemon.resumed")
         step("-600")
         out["resumed_back"] = run.saw("daemon.resumed")
-        dropins = run.config.parent / "conf.d"
-        dropins.mkdir(exist_ok=True)
-        (dropins / "50-short.yaml").write_text("limits:\n  max_spare: 1h\n")
-        assert run.proc is not None
-        os.kill(run.proc.pid, signal.SIGHUP)
+        run.reload_with("50-short.yaml", "limits:\n  max_spare: 1h\n")
         run.wait_for(lambda: run.saw("spare.cut"), timeout=30)
         out["cut"] = [e for e in run.events() if e.get("event") == "spare.cut"]
         out["alive_after_cut"] = host.alive(worker)

@@ -61,11 +61,7 @@ def host_kernel_xids(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         run.wait_for(lambda: run.saw("health.xid", xid=31), timeout=30)
         time.sleep(2)  # ten polls: a late duplicate would be counted by now
         # A reload cannot switch the kernel log off: it is opened at start.
-        dropins = run.config.parent / "conf.d"
-        dropins.mkdir(exist_ok=True)
-        (dropins / "50-kernel-log.yaml").write_text("health:\n  kernel_log: 'off'\n")
-        assert run.proc is not None
-        os.kill(run.proc.pid, signal.SIGHUP)
+        run.reload_with("50-kernel-log.yaml", "health:\n  kernel_log: 'off'\n")
         run.wait_for(lambda: run.saw("config.reload_partial"), timeout=30)
         host.kernel_xid(0, 43, "after the reload")
         run.wait_for(lambda: run.saw("health.xid", xid=43), timeout=30)

@@ -20,8 +20,6 @@ week with the installed package, systemd, journald and real Slurm.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -93,11 +91,7 @@ def host_rollout_week(arg: dict[str, Any], root: Path) -> dict[str, Any]:
             return bool(shown.get("effective_mode") == "paused" and shown.get("spares"))
 
         run.wait_for(paused_and_spared, timeout=30)
-        dropins = run.config.parent / "conf.d"
-        dropins.mkdir(exist_ok=True)
-        (dropins / "50-enforce.yaml").write_text("dry_run: false\n")
-        assert run.proc is not None
-        os.kill(run.proc.pid, signal.SIGHUP)
+        run.reload_with("50-enforce.yaml", "dry_run: false\n")
         run.wait_for(lambda: run.saw("config.reloaded", dry_run=False), timeout=30)
         run.wait_for(lambda: run.saw("daemon.resumed"), timeout=30)
         out["resumed_after"] = time.monotonic() - given

@@ -1,5 +1,6 @@
-"""A real ``gpuwatchd run`` under test inside a PID namespace: the daemon handle, the orphan
-scenario, the fake reset script and the scratch cgroup fixture the end-to-end tests share."""
+"""A real ``gpuwatchd run`` under test inside a PID namespace: the daemon handle, the orphan and
+stuck-holder scenarios, the fake reset script and the scratch cgroup fixture the end-to-end tests
+share."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 
 from gpuwatchd.core.vocabulary import EventName
-from tests.support.fakenvml import MiB, gpu, process
+from tests.support.fakenvml import GiB, MiB, gpu, process
 from tests.support.simhost import SimHost
 
 ORPHAN_RULE = {
@@ -146,6 +147,16 @@ def orphan_host(host: SimHost, *, ignore_term: bool = False, comm: str | None = 
     pids = host.wait_ready("trainer", "worker")
     host.wait_gone("trainer")
     host.nvml([gpu(0, allocated=700 * MiB, processes=[process(pids["trainer"], 700 * MiB)])])
+
+
+def stuck_host(host: SimHost) -> dict[str, int]:
+    """A holder of GPU 0 in uninterruptible sleep (D): it cannot be killed. NVML lists 1 GiB
+    allocated and no process. Its pid, by name ("stuck")."""
+    host.spawn_stuck("stuck", host.cuda(0))
+    pids = host.wait_ready("stuck")
+    host.wait_state("stuck", "D")
+    host.nvml([gpu(0, allocated=GiB)])
+    return pids
 
 
 def fake_smi(host: SimHost) -> dict[str, Any]:

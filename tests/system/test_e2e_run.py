@@ -30,6 +30,7 @@ from tests.support.daemonrun import (
     fake_smi,
     orphan_host,
     smi_calls,
+    stuck_host,
 )
 from tests.support.fakenvml import GiB, MiB, gpu, process
 from tests.support.simhost import (
@@ -248,10 +249,7 @@ def host_killed_mid_reset(arg: dict[str, Any], root: Path) -> dict[str, Any]:
 def host_stuck_orphan(arg: dict[str, Any], root: Path) -> dict[str, Any]:
     """An inheritor stuck in D state: reported, on_failure once, never a SIGKILL loop."""
     with SimHost(root) as host:
-        host.spawn_stuck("stuck", host.cuda(0))
-        pids = host.wait_ready("stuck")
-        host.wait_state("stuck", "D")
-        host.nvml([gpu(0, allocated=GiB)])
+        pids = stuck_host(host)
         marker = host.root / "on_failure.log"
         hook = host.root / "on_failure.sh"
         hook.write_text(f'#!/bin/sh\necho "$GPUWATCHD_EVENT" >> {marker}\n')

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.daemonrun import stuck_host
 from tests.support.fakenvml import GiB, MiB, gpu, process
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
 
@@ -140,10 +141,7 @@ def host_zombie(arg: dict[str, Any], root: Path) -> dict[str, Any]:
 def host_stuck(arg: dict[str, Any], root: Path) -> dict[str, Any]:
     """A holder of GPU 0 in uninterruptible sleep (D): it cannot be killed."""
     with SimHost(root) as host:
-        host.spawn_stuck("stuck", host.cuda(0))
-        pids = host.wait_ready("stuck")
-        host.wait_state("stuck", "D")
-        host.nvml([gpu(0, allocated=GiB)])
+        pids = stuck_host(host)
         return _scan(host, pids)
 
 

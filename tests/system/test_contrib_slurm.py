@@ -190,6 +190,13 @@ def run_scenario(name: str, tmp_path: Path, **arg: Any) -> dict[str, Any]:
     return run_in_pid_namespace(f"{__name__}:{name}", arg, root=tmp_path, timeout=240)
 
 
+def _contrib(script: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """Run contrib script ``script`` with ``args``, ``env`` its whole environment."""
+    return subprocess.run(
+        [str(SLURM / script), *args], env=env, capture_output=True, text=True, check=False
+    )
+
+
 def _drain(reason: str) -> list[str]:
     return ["update", f"nodename={NODE}", "state=drain", f"reason={reason}"]
 
@@ -207,6 +214,17 @@ def _our_reason(result: dict[str, Any]) -> str:
 
 
 RESUME = ["update", f"nodename={NODE}", "state=resume"]
+
+
+def _passed_asking_nothing(r: dict[str, Any], name: str) -> None:
+    """Script run ``name`` exited 0 and asked Slurm for no update."""
+    assert r[name]["code"] == 0, r[name]["stderr"]
+    assert r[name]["updates"] == [], name
+
+
+def _said_it_would_drain(r: dict[str, Any], name: str) -> None:
+    """Script run ``name`` (dry-run) said the drain of GPU 0 that enforcement would make."""
+    assert f"dry-run: would drain {NODE}: gpuwatchd: {r['uuid0']} " in r[name]["stderr"]
 
 
 def test_without_a_daemon_a_dirty_gpu_drains_and_only_our_drain_is_lifted(tmp_path: Path) -> None:
@@ -252,8 +270,7 @@ def test_without_a_daemon_a_dirty_gpu_drains_and_only_our_drain_is_lifted(tmp_pa
     assert lifted["node"] == {"state": "IDLE", "reason": ""}
 
     for name in ("epilog_clean", "prolog_no_gpus"):
-        assert r[name]["code"] == 0, r[name]["stderr"]
-        assert r[name]["updates"] == [], name
+        _passed_asking_nothing(r, name)
 
 
 def test_without_a_daemon_the_epilog_frees_the_gpu_itself_and_exits_0(tmp_path: Path) -> None:
@@ -280,10 +297,9 @@ def test_beside_a_dry_run_daemon_nothing_drains_nothing_waits_and_the_drain_is_r
     r = run_scenario("host_beside_daemon", tmp_path, dry_run=True)
     assert r["worker_alive"] is True
     for name in ("epilog", "prolog"):
-        assert r[name]["code"] == 0, r[name]["stderr"]
-        assert r[name]["updates"] == [], name
+        _passed_asking_nothing(r, name)
         assert r[name]["node"] == {"state": "IDLE", "reason": ""}
-        assert f"dry-run: would drain {NODE}: gpuwatchd: {r['uuid0']} " in r[name]["stderr"]
+        _said_it_would_drain(r, name)
         assert "dry_run: true (GPUWATCHD_SLURM_DRAIN=auto)" in r[name]["stderr"]
     assert r["epilog"]["took"] < 20, "the dry-run epilog waited for run --once"
     record = r["would_drain"]
@@ -331,8 +347,7 @@ def test_a_bad_drop_in_drains_nothing_by_itself(tmp_path: Path, dry_run: bool) -
     r = run_scenario("host_bad_drop_in", tmp_path, dry_run=dry_run)
     note = "the policy files do not validate; judged with the policy the daemon runs"
     for name in ("prolog_clean", "epilog_clean"):
-        assert r[name]["code"] == 0, r[name]["stderr"]
-        assert r[name]["updates"] == [], name
+        _passed_asking_nothing(r, name)
         assert r[name]["node"] == {"state": "IDLE", "reason": ""}
         assert f"{note} (dry_run: {str(dry_run).lower()})" in r[name]["stderr"]
         assert "a policy problem drains nothing" in r[name]["stderr"]
@@ -340,9 +355,8 @@ def test_a_bad_drop_in_drains_nothing_by_itself(tmp_path: Path, dry_run: bool) -
     dirty = r["prolog_dirty"]
     if dry_run:
         for name in ("prolog_dirty", "epilog_dirty"):
-            assert r[name]["code"] == 0, r[name]["stderr"]
-            assert r[name]["updates"] == [], name
-            assert f"dry-run: would drain {NODE}: gpuwatchd: {r['uuid0']} " in r[name]["stderr"]
+            _passed_asking_nothing(r, name)
+            _said_it_would_drain(r, name)
             assert (
                 "policy files invalid: judged by the policy the daemon runs" in (r[name]["stderr"])
             )
@@ -386,18 +400,14 @@ def test_a_check_that_cannot_run_drains_but_a_policy_problem_does_not(tmp_path: 
         "GPUWATCHD_SLURM_DEFAULTS": str(tmp_path / "no-defaults"),
         "SLURM_JOB_GPUS": "0",
     }
-    proc = subprocess.run(
-        [str(SLURM / "gpuwatchd-prolog")], env=env, capture_output=True, text=True, check=False
-    )
+    proc = _contrib("gpuwatchd-prolog", env)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "node.reason").read_text() == ""
     assert "cannot judge the GPUs by gpuwatchd's policy (check-clean exit 78: " in proc.stderr
     assert "bad.yaml" in proc.stderr
     env["GPUWATCHD_CONFIG"] = str(good)
     env["LD_LIBRARY_PATH"] = str(tmp_path / "no-nvml")
-    proc = subprocess.run(
-        [str(SLURM / "gpuwatchd-prolog")], env=env, capture_output=True, text=True, check=False
-    )
+    proc = _contrib("gpuwatchd-prolog", env)
     assert proc.returncode == 1, proc.stderr
     reason = (tmp_path / "node.reason").read_text()
     assert reason.startswith("gpuwatchd: cannot check the GPUs (check-clean exit 69: "), reason
@@ -408,9 +418,7 @@ def test_a_check_that_cannot_run_drains_but_a_policy_problem_does_not(tmp_path: 
     env["GPUWATCHD"] = str(broken)
     (tmp_path / "node.state").write_text("IDLE")
     (tmp_path / "node.reason").write_text("")
-    proc = subprocess.run(
-        [str(SLURM / "gpuwatchd-prolog")], env=env, capture_output=True, text=True, check=False
-    )
+    proc = _contrib("gpuwatchd-prolog", env)
     assert proc.returncode == 1, proc.stderr
     reason = (tmp_path / "node.reason").read_text()
     assert reason == "gpuwatchd: cannot check the GPUs (check-clean exit 70: Traceback: boom)"
@@ -471,13 +479,7 @@ def test_undrain_without_slurm_does_nothing(tmp_path: Path) -> None:
         "GPUWATCHD_SLURM_NODE": NODE,
         "GPUWATCHD_SLURM_DEFAULTS": str(tmp_path / "no-defaults"),
     }
-    proc = subprocess.run(
-        [str(SLURM / "gpuwatchd-slurm"), "undrain"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    proc = _contrib("gpuwatchd-slurm", env, "undrain")
     assert (proc.returncode, proc.stderr) == (0, "")
     assert not (tmp_path / "state").exists()
 
@@ -501,8 +503,7 @@ def _script(
         "GPUWATCHD_SLURM_DEFAULTS": str(tmp_path / "no-defaults"),
         **env,
     }
-    argv[0] = str(SLURM / argv[0])
-    return subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+    return _contrib(argv[0], env, *argv[1:])
 
 
 def _only_shown(tmp_path: Path) -> bool:
@@ -600,13 +601,7 @@ def test_settings_come_from_the_defaults_file_when_slurmd_passes_none(tmp_path: 
         "GPUWATCHD_SLURM_DEFAULTS": str(defaults),
         "GPUWATCHD_SLURM_NODE": NODE,  # the environment wins over the file
     }
-    proc = subprocess.run(
-        [str(SLURM / "gpuwatchd-slurm"), "undrain"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    proc = _contrib("gpuwatchd-slurm", env, "undrain")
     assert proc.returncode == 0, proc.stderr
     calls = (tmp_path / "calls.log").read_text().splitlines()
     assert [c.split("\x1f")[:-1] for c in calls] == [["show", "node", NODE]]
@@ -672,5 +667,4 @@ def test_the_daemons_own_nvml_worker_does_not_make_a_gpu_dirty(tmp_path: Path) -
     assert r["holders"], "the daemon's NVML worker should hold the device files"
     assert r["daemon"] not in r["holders"]  # the worker does, not the daemon itself
     for name in ("prolog", "epilog"):
-        assert r[name]["code"] == 0, r[name]["stderr"]
-        assert r[name]["updates"] == []
+        _passed_asking_nothing(r, name)

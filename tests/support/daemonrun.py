@@ -1,6 +1,6 @@
-"""A real ``gpuwatchd run`` under test inside a PID namespace: the daemon handle, the orphan and
-stuck-holder scenarios, the fake reset script and the scratch cgroup fixture the end-to-end tests
-share."""
+"""A real ``gpuwatchd run`` under test inside a PID namespace: the daemon handle, the orphan,
+stuck-holder and healthy-job scenarios, the fake reset script and the scratch cgroup fixture the
+end-to-end tests share."""
 
 from __future__ import annotations
 
@@ -147,6 +147,17 @@ def orphan_host(host: SimHost, *, ignore_term: bool = False, comm: str | None = 
     pids = host.wait_ready("trainer", "worker")
     host.wait_gone("trainer")
     host.nvml([gpu(0, allocated=700 * MiB, processes=[process(pids["trainer"], 700 * MiB)])])
+
+
+def job_host(host: SimHost, *, probe: bool = False) -> dict[str, int]:
+    """A live job holding GPU 0, NVML listing it with 600 MiB; with ``probe``, also a process
+    holding only nvidiactl. Their pids, by name ("job", "probe")."""
+    host.spawn("job", [{"open": host.cuda(0)}])
+    if probe:
+        host.spawn("probe", [{"open": host.dev("nvidiactl")}])
+    pids = host.wait_ready("job", *(["probe"] if probe else []))
+    host.nvml([gpu(0, allocated=600 * MiB, processes=[process(pids["job"], 600 * MiB)])])
+    return pids
 
 
 def stuck_host(host: SimHost) -> dict[str, int]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.daemonrun import stuck_host
+from tests.support.daemonrun import job_host, stuck_host
 from tests.support.fakenvml import GiB, MiB, gpu, process
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
 
@@ -36,9 +36,7 @@ def _scan(host: SimHost, pids: dict[str, int], **config: Any) -> dict[str, Any]:
 
 def host_holder_fd(arg: dict[str, Any], root: Path) -> dict[str, Any]:
     with SimHost(root) as host:
-        host.spawn("job", [{"open": host.cuda(0)}])
-        pids = host.wait_ready("job")
-        host.nvml([gpu(0, allocated=600 * MiB, processes=[process(pids["job"], 600 * MiB)])])
+        pids = job_host(host)
         return _scan(host, pids)
 
 

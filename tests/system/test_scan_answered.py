@@ -26,7 +26,8 @@ import pytest
 from bench.cli_scan import scan_pids
 from gpuwatchd.served import holders as holder_view
 from gpuwatchd.served.scan_socket import SOCKET_NAME, ScanRequest, ask
-from tests.support.fakenvml import MiB, gpu, process
+from tests.support.daemonrun import job_host
+from tests.support.fakenvml import gpu
 from tests.support.opener import opener, tell
 from tests.support.published import doc, view_clean, view_served, wait_for
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
@@ -95,10 +96,7 @@ def _probe_modules(host: SimHost, config: Path) -> dict[str, Any]:
 def host_answered(arg: dict[str, Any], root: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with SimHost(root) as host:
-        host.spawn("job", [{"open": host.cuda(0)}])
-        host.spawn("probe", [{"open": host.dev("nvidiactl")}])
-        pids = host.wait_ready("job", "probe")
-        host.nvml([gpu(0, allocated=600 * MiB, processes=[process(pids["job"], 600 * MiB)])])
+        pids = job_host(host, probe=True)
         config = host.config(interval="1s")
         daemon = host.start_daemon("run", "--config", str(config))
         view = host.state_dir / holder_view.VIEW_FILE
@@ -141,10 +139,7 @@ def host_answered(arg: dict[str, Any], root: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def answered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("answered")
-    result: dict[str, Any] = run_in_pid_namespace(
-        f"{__name__}:host_answered", {}, root=root, timeout=240
-    )
-    return result
+    return run_in_pid_namespace(f"{__name__}:host_answered", {}, root=root, timeout=240)
 
 
 def test_a_scan_beside_the_daemon_is_answered_by_it_with_what_a_walk_finds(

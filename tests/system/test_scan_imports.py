@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from gpuwatchd.served import holders as holder_view
-from tests.support.fakenvml import MiB, gpu, process
+from tests.support.daemonrun import job_host
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
 
 pytestmark = pytest.mark.skipif(
@@ -110,9 +110,7 @@ def _clean(view: Path) -> bool:
 def host_imports(arg: dict[str, Any], root: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with SimHost(root) as host:
-        host.spawn("job", [{"open": host.cuda(0)}])
-        pids = host.wait_ready("job")
-        host.nvml([gpu(0, allocated=600 * MiB, processes=[process(pids["job"], 600 * MiB)])])
+        job_host(host)
         config = host.config(interval="200ms")
         report, modules = _scan_modules(host, config)
         out["alone"] = {"view": report["daemon_view"], "nvml": report["nvml_reading"],

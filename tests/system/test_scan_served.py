@@ -23,7 +23,8 @@ from bench.cli_scan import scan_pids
 from gpuwatchd.core.model import DeviceHolding, HolderScan
 from gpuwatchd.served import holders as holder_view
 from gpuwatchd.served import nvml as nvml_view
-from tests.support.fakenvml import MiB, gpu, process
+from tests.support.daemonrun import job_host
+from tests.support.fakenvml import MiB
 from tests.support.published import doc, view_clean, wait_for
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
 
@@ -43,10 +44,7 @@ def _scan(host: SimHost, config: Path, *extra: str) -> dict[str, Any]:
 def host_served(arg: dict[str, Any], root: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with SimHost(root) as host:
-        host.spawn("job", [{"open": host.cuda(0)}])
-        host.spawn("probe", [{"open": host.dev("nvidiactl")}])
-        pids = host.wait_ready("job", "probe")
-        host.nvml([gpu(0, allocated=600 * MiB, processes=[process(pids["job"], 600 * MiB)])])
+        pids = job_host(host, probe=True)
         config = host.config(interval="200ms")
         daemon = host.start_daemon("run", "--config", str(config))
         view = host.state_dir / holder_view.VIEW_FILE
@@ -104,9 +102,7 @@ def _scan_env(host: SimHost, config: Path, env: dict[str, str], *extra: str) -> 
 def host_reading(arg: dict[str, Any], root: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with SimHost(root) as host:
-        host.spawn("job", [{"open": host.cuda(0)}])
-        pids = host.wait_ready("job")
-        host.nvml([gpu(0, allocated=600 * MiB, processes=[process(pids["job"], 600 * MiB)])])
+        job_host(host)
         # A long interval: the daemon polls again only when a device file is opened.
         config = host.config(interval="60s")
         daemon = host.start_daemon("run", "--config", str(config))
@@ -140,10 +136,7 @@ def host_reading(arg: dict[str, Any], root: Path) -> dict[str, Any]:
 def reading_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One end-to-end run for the tests below (a daemon start costs seconds)."""
     root = tmp_path_factory.mktemp("reading")
-    result: dict[str, Any] = run_in_pid_namespace(
-        f"{__name__}:host_reading", {}, root=root, timeout=180
-    )
-    return result
+    return run_in_pid_namespace(f"{__name__}:host_reading", {}, root=root, timeout=180)
 
 
 def test_a_served_scan_takes_the_daemons_fresh_nvml_reading_and_says_so(

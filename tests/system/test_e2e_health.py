@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.sim.scenario import load_scenario
 from gpuwatchd.sim.simulation import simulate
 from tests.support.daemonrun import Run, _epoch, evidence_files, fake_smi, smi_calls
@@ -81,18 +82,93 @@ def restore_to(host: SimHost, state: dict[str, Any]) -> None:
     (host.root / "restored.json").write_text(json.dumps(state))
 
 
-def host_xid_95_reset(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+def job_on_gpu0(host: SimHost) -> tuple[int, dict[str, Any], dict[str, Any]]:
+    """A job holding GPU 0 (900 MiB; no recovery action asked) and the fake reset, which
+    restores GPU 0 idle with none asked: the job's pid, GPU 0 as NVML lists it, the reset."""
+    host.spawn("job", [{"open": host.cuda(0)}, {"sleep": 3600}])
+    job = host.wait_ready("job")["job"]
+    busy = gpu(0, allocated=900 * MiB, processes=[process(job, 900 * MiB)], recovery_action=0)
+    host.nvml([busy])
+    reset = fake_smi(host)
+    restore_to(host, {**json.loads(host.fake.state_path.read_text()),
+                      "gpus": [gpu(0, recovery_action=0)]})  # fmt: skip
+    return job, busy, reset
+
+
+def start_then_xid(
+    run: Run, host: SimHost, gpus: list[dict[str, Any]], *, on: int, xid: int, name: str = ""
+) -> None:
+    """Start the daemon and let it poll a second; then NVML lists ``gpus`` and reports Xid
+    ``xid`` on GPU ``on`` (its event id ``name``, else ``x<xid>``)."""
+    run.start()
+    run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
+    time.sleep(1)
+    host.nvml(gpus, events=[{"id": name or f"x{xid}", "gpu": on, "type": 8, "data": xid}])
+
+
+def resolved_then_stop(run: Run) -> None:
+    """Wait for the finding to be resolved, let five more polls pass, stop the daemon."""
+    run.wait_for(lambda: run.saw("finding.resolved"), timeout=30)
+    time.sleep(1)
+    run.stop()
+
+
+def job_ends(host: SimHost, job: int, gpus: list[dict[str, Any]]) -> dict[str, Any]:
+    """The job (alive, and the fake nvidia-smi's calls, returned) ends on its own terms (ours:
+    we started it); then NVML lists ``gpus``."""
+    during = {"alive": host.alive(job), "calls": smi_calls(host)}
+    os.kill(job, signal.SIGTERM)
+    host.wait_gone("job")
+    host.nvml(gpus)
+    return during
+
+
+def drain_waits_for_the_job(
+    run: Run, host: SimHost, job: int, gpus: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The daemon waits for the job to drain; ten polls later the job ends (``job_ends``, NVML
+    then listing ``gpus``) and the finding is resolved: whether it waited, what held before the
+    job's exit, the fake nvidia-smi's calls and the daemon's events."""
+    waited = run.wait_for(lambda: run.saw("health.drain_waiting"), timeout=30)
+    time.sleep(2)  # ten polls: nothing may happen to the job (never signalled), and no reset
+    before_exit = job_ends(host, job, gpus)
+    resolved_then_stop(run)
+    return {
+        "waited": waited,
+        "before_exit": before_exit,
+        "calls": smi_calls(host),
+        "events": run.events(),
+    }
+
+
+def resets(calls: list[str]) -> list[str]:
+    return [c for c in calls if "--gpu-reset" in c]
+
+
+def signalled(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in events if e.get("event") == EventName.ACTION_SIGNAL]
+
+
+def waited_for_the_job_then_reset_once(result: dict[str, Any], waited: str, during: str) -> None:
+    """``waited`` came true, the job was alive and no reset ran ``during`` the wait; the job
+    was never signalled; one reset ran in all."""
+    assert result[waited] is True
+    assert result[during]["alive"] is True
+    assert resets(result[during]["calls"]) == []
+    assert signalled(result["events"]) == []
+    assert len(resets(result["calls"])) == 1
+
+
+def host_xid_reset(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    """Xid ``arg["xid"]`` on idle GPU 0 of two; the reset it asks for, then five more polls (no
+    second reset). An R535/R550 driver: no recovery-action field (the fake's default), so the
+    Xid decides."""
     with SimHost(root, gpus=2) as host:
         host.nvml([gpu(0), gpu(1)])
         reset = fake_smi(host)
         run = Run(host, reset={**reset, "cooldown": "0s"})
-        run.start()
-        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
-        time.sleep(1)
-        host.nvml([gpu(0), gpu(1)], events=[{"id": "x95", "gpu": 0, "type": 8, "data": 95}])
-        run.wait_for(lambda: run.saw("finding.resolved"), timeout=30)
-        time.sleep(1)
-        run.stop()
+        start_then_xid(run, host, [gpu(0), gpu(1)], on=0, xid=arg["xid"])
+        resolved_then_stop(run)
         return {"calls": smi_calls(host), "events": run.events()}
 
 
@@ -110,32 +186,18 @@ def host_row_remap_live_job(arg: dict[str, Any], root: Path) -> dict[str, Any]:
                    "gpus": [gpu(0, remapped_rows=applied), gpu(1)]})))  # fmt: skip
         run = Run(host, reset={**reset, "cooldown": "0s"}, health={"drain_timeout": "10m"})
         run.start()
-        waited = run.wait_for(lambda: run.saw("health.drain_waiting"), timeout=30)
-        time.sleep(2)  # ten polls: nothing may happen to the job, and no reset
-        before_exit = {"alive": host.alive(job), "calls": smi_calls(host)}
-        os.kill(job, signal.SIGTERM)  # the job ends on its own terms (ours: we started it)
-        host.wait_gone("job")
-        host.nvml([gpu(0, remapped_rows=pending), gpu(1)])
-        run.wait_for(lambda: run.saw("finding.resolved"), timeout=30)
-        time.sleep(1)
-        run.stop()
-        return {
-            "waited": waited,
-            "before_exit": before_exit,
-            "calls": smi_calls(host),
-            "events": run.events(),
-        }
+        return drain_waits_for_the_job(run, host, job, [gpu(0, remapped_rows=pending), gpu(1)])
 
 
-def run_host(name: str, tmp_path: Path) -> dict[str, Any]:
-    return run_in_pid_namespace(f"{__name__}:{name}", {}, root=tmp_path, timeout=120.0)
+def run_host(name: str, tmp_path: Path, **arg: Any) -> dict[str, Any]:
+    return run_in_pid_namespace(f"{__name__}:{name}", arg, root=tmp_path, timeout=120.0)
 
 
 def test_xid_95_through_the_daemon_is_one_reset_as_simulate_says(tmp_path: Path) -> None:
-    result = run_host("host_xid_95_reset", tmp_path)
-    resets = [c for c in result["calls"] if "--gpu-reset" in c]
-    assert len(resets) == 1
-    assert resets[0].endswith("-i GPU-00000000-face-4000-8000-000000000000")
+    result = run_host("host_xid_reset", tmp_path, xid=95)
+    ran = resets(result["calls"])
+    assert len(ran) == 1
+    assert ran[0].endswith("-i GPU-00000000-face-4000-8000-000000000000")
     assert decisions(result["events"]) == simulated("xid-95-reset")
 
 
@@ -143,12 +205,7 @@ def test_pending_row_remap_waits_for_the_live_job_then_resets_as_simulate_says(
     tmp_path: Path,
 ) -> None:
     result = run_host("host_row_remap_live_job", tmp_path)
-    assert result["waited"] is True
-    assert result["before_exit"]["alive"] is True
-    assert [c for c in result["before_exit"]["calls"] if "--gpu-reset" in c] == []
-    assert [e for e in result["events"] if e.get("event") == "action.signal"] == []
-    resets = [c for c in result["calls"] if "--gpu-reset" in c]
-    assert len(resets) == 1
+    waited_for_the_job_then_reset_once(result, "waited", "before_exit")
     assert decisions(result["events"]) == simulated("pending-row-remap-unisolated")
 
 
@@ -172,10 +229,7 @@ def host_xid_79_reboot(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         drain, drained = marker_hook(host, "drain")
         page, paged = marker_hook(host, "page")
         run = Run(host, reset={**reset, "drain": [drain]}, on_failure=[page])
-        run.start()
-        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
-        time.sleep(1)
-        host.nvml([gpu(0), gpu(1)], events=[{"id": "x79", "gpu": 1, "type": 8, "data": 79}])
+        start_then_xid(run, host, [gpu(0), gpu(1)], on=1, xid=79)
         run.wait_for(lambda: run.saw("gpu.needs_reboot"), timeout=30)
         time.sleep(2)  # ten polls: nothing may repeat, nothing may be reset
         run.stop()
@@ -189,35 +243,14 @@ def host_xid_79_reboot(arg: dict[str, Any], root: Path) -> dict[str, Any]:
 
 def host_xid_154_drain_and_reset(arg: dict[str, Any], root: Path) -> dict[str, Any]:
     with SimHost(root, gpus=1) as host:
-        host.spawn("job", [{"open": host.cuda(0)}, {"sleep": 3600}])
-        job = host.wait_ready("job")["job"]
-        busy = gpu(0, allocated=900 * MiB, processes=[process(job, 900 * MiB)], recovery_action=0)
-        host.nvml([busy])
-        reset = fake_smi(host)
-        restore_to(host, {**json.loads(host.fake.state_path.read_text()),
-                          "gpus": [gpu(0, recovery_action=0)]})  # fmt: skip
+        job, busy, reset = job_on_gpu0(host)
         drain, drained = marker_hook(host, "drain")
         run = Run(host, reset={**reset, "cooldown": "0s", "drain": [drain]},
                   health={"drain_timeout": "10m"})  # fmt: skip
-        run.start()
-        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
-        time.sleep(1)
         asks = {**busy, "recovery_action": 4}  # DRAIN_AND_RESET, announced by Xid 154
-        host.nvml([asks], events=[{"id": "x154", "gpu": 0, "type": 8, "data": 154}])
-        waited = run.wait_for(lambda: run.saw("health.drain_waiting"), timeout=30)
-        time.sleep(2)  # the job runs on: never signalled, no reset
-        before_exit = {"alive": host.alive(job), "calls": smi_calls(host)}
-        os.kill(job, signal.SIGTERM)  # the job ends on its own terms (ours: we started it)
-        host.wait_gone("job")
-        host.nvml([gpu(0, recovery_action=4)])
-        run.wait_for(lambda: run.saw("finding.resolved"), timeout=30)
-        time.sleep(1)
-        run.stop()
+        start_then_xid(run, host, [asks], on=0, xid=154)
         return {
-            "waited": waited,
-            "before_exit": before_exit,
-            "calls": smi_calls(host),
-            "events": run.events(),
+            **drain_waits_for_the_job(run, host, job, [gpu(0, recovery_action=4)]),
             "drained": lines(drained),
             "evidence": evidence_files(host, run.config),
         }
@@ -230,10 +263,7 @@ def host_xid_13_application(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         metrics = host.root / "gpuwatchd.prom"
         page, paged = marker_hook(host, "page")
         run = Run(host, reset=reset, on_failure=[page], metrics={"textfile": str(metrics)})
-        run.start()
-        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
-        time.sleep(1)
-        host.nvml([gpu(0)], events=[{"id": "x13", "gpu": 0, "type": 8, "data": 13}])
+        start_then_xid(run, host, [gpu(0)], on=0, xid=13)
 
         def counted() -> bool:
             text = metrics.read_text() if metrics.exists() else ""
@@ -254,8 +284,8 @@ def test_xid_79_needs_a_reboot_hooks_once_and_never_a_reset_as_simulate_says(
     tmp_path: Path,
 ) -> None:
     result = run_host("host_xid_79_reboot", tmp_path)
-    assert [c for c in result["calls"] if "--gpu-reset" in c] == []
-    assert [e for e in result["events"] if e.get("event") == "action.signal"] == []
+    assert resets(result["calls"]) == []
+    assert signalled(result["events"]) == []
     assert len(result["drained"]) == 1
     assert len(result["paged"]) == 1
     assert decisions(result["events"]) == simulated("xid-79-reboot")
@@ -265,12 +295,8 @@ def test_xid_154_drain_and_reset_waits_for_the_job_then_resets_once_as_simulate_
     tmp_path: Path,
 ) -> None:
     result = run_host("host_xid_154_drain_and_reset", tmp_path)
-    assert result["waited"] is True
-    assert result["before_exit"]["alive"] is True
-    assert [c for c in result["before_exit"]["calls"] if "--gpu-reset" in c] == []
-    assert [e for e in result["events"] if e.get("event") == "action.signal"] == []
-    assert len([c for c in result["calls"] if "--gpu-reset" in c]) == 1
     assert len(result["drained"]) == 1  # before the wait; the reset itself does not drain again
+    waited_for_the_job_then_reset_once(result, "waited", "before_exit")
     assert decisions(result["events"]) == simulated("xid-154-drain-and-reset")
     # Evidence before the drain (its job still running) and before the reset, each named by
     # its step's event.
@@ -288,7 +314,7 @@ def test_an_application_xid_is_counted_and_nothing_else_happens_as_simulate_says
 ) -> None:
     result = run_host("host_xid_13_application", tmp_path)
     assert result["seen"] is True  # the daemon read the event: the metric counts it
-    assert [c for c in result["calls"] if "--gpu-reset" in c] == []
+    assert resets(result["calls"]) == []
     assert result["paged"] == []
     assert decisions(result["events"]) == simulated("xid-13-application") == []
 
@@ -296,27 +322,11 @@ def test_an_application_xid_is_counted_and_nothing_else_happens_as_simulate_says
 # --- NVIDIA's catalogue, recovery actions and the fabric, through the daemon ------------------
 
 
-def host_xid_48_solo(arg: dict[str, Any], root: Path) -> dict[str, Any]:
-    with SimHost(root, gpus=2) as host:
-        # An R535/R550 driver: no recovery-action field (the fake's default), so the Xid decides.
-        host.nvml([gpu(0), gpu(1)])
-        reset = fake_smi(host)
-        run = Run(host, reset={**reset, "cooldown": "0s"})
-        run.start()
-        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
-        time.sleep(1)
-        host.nvml([gpu(0), gpu(1)], events=[{"id": "x48", "gpu": 0, "type": 8, "data": 48}])
-        run.wait_for(lambda: run.saw("finding.resolved"), timeout=30)
-        time.sleep(1)  # five more polls: no second reset
-        run.stop()
-        return {"calls": smi_calls(host), "events": run.events()}
-
-
 def test_a_solo_xid_48_through_the_daemon_is_one_reset_as_simulate_says(tmp_path: Path) -> None:
-    result = run_host("host_xid_48_solo", tmp_path)
-    resets = [c for c in result["calls"] if "--gpu-reset" in c]
-    assert len(resets) == 1
-    assert resets[0].endswith("-i GPU-00000000-face-4000-8000-000000000000")
+    result = run_host("host_xid_reset", tmp_path, xid=48)
+    ran = resets(result["calls"])
+    assert len(ran) == 1
+    assert ran[0].endswith("-i GPU-00000000-face-4000-8000-000000000000")
     (new,) = [e for e in result["events"] if e.get("event") == "finding.new"]
     assert "solo: NVIDIA: reset the GPU" in new["reason"]
     assert new["evidence"]["recovery_action"].startswith("unknown (not_supported")
@@ -350,10 +360,7 @@ def host_xid_94_two_jobs(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         drain, drained = marker_hook(host, "drain")
         run = Run(host, reset={**reset, "cooldown": "0s", "drain": [drain]},
                   metrics={"textfile": str(metrics)})  # fmt: skip
-        run.start()
-        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
-        time.sleep(1)
-        host.nvml(busy, events=[{"id": "x94", "gpu": 0, "type": 8, "data": 94}])
+        start_then_xid(run, host, busy, on=0, xid=94)
         seen = run.wait_for(xid_counted(metrics, 94), timeout=30)
         time.sleep(2)  # ten polls: nothing may happen
         alive = {name: host.alive(pid) for name, pid in pids.items()}
@@ -368,33 +375,20 @@ def test_xid_94_under_two_jobs_is_counted_and_never_resets_as_simulate_says(
     result = run_host("host_xid_94_two_jobs", tmp_path)
     assert result["seen"] is True
     assert result["alive"] == {"train": True, "serve": True}
-    assert [c for c in result["calls"] if "--gpu-reset" in c] == []
-    assert [e for e in result["events"] if e.get("event") == "action.signal"] == []
+    assert resets(result["calls"]) == []
+    assert signalled(result["events"]) == []
     assert result["drained"] == []
     assert decisions(result["events"]) == simulated("xid-94-two-jobs") == []
 
 
 def host_drain_p2p(arg: dict[str, Any], root: Path) -> dict[str, Any]:
     with SimHost(root, gpus=1) as host:
-        host.spawn("job", [{"open": host.cuda(0)}, {"sleep": 3600}])
-        job = host.wait_ready("job")["job"]
-        busy = gpu(0, allocated=900 * MiB, processes=[process(job, 900 * MiB)], recovery_action=0)
-        host.nvml([busy])
-        reset = fake_smi(host)
-        restore_to(host, {**json.loads(host.fake.state_path.read_text()),
-                          "gpus": [gpu(0, recovery_action=0)]})  # fmt: skip
+        job, busy, reset = job_on_gpu0(host)
         run = Run(host, reset={**reset, "cooldown": "0s"}, health={"drain_timeout": "10m"})
-        run.start()
-        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
-        time.sleep(1)
-        host.nvml([{**busy, "recovery_action": 3}],
-                  events=[{"id": "x154a", "gpu": 0, "type": 8, "data": 154}])  # fmt: skip
+        start_then_xid(run, host, [{**busy, "recovery_action": 3}], on=0, xid=154, name="x154a")
         drained = run.wait_for(lambda: run.saw("health.drain_started"), timeout=30)
         time.sleep(2)  # ten polls of DRAIN_P2P: no reset, the job runs on
-        during = {"alive": host.alive(job), "calls": smi_calls(host)}
-        os.kill(job, signal.SIGTERM)  # the job ends on its own terms (ours: we started it)
-        host.wait_gone("job")
-        host.nvml([gpu(0, recovery_action=3)])
+        during = job_ends(host, job, [gpu(0, recovery_action=3)])
         time.sleep(1)
         # The driver settles on GPU_RESET, with no Xid 154 to say so: only re-reading sees it.
         host.nvml([gpu(0, recovery_action=1)])
@@ -413,11 +407,7 @@ def test_drain_p2p_is_re_read_until_it_settles_then_one_reset_as_simulate_says(
     tmp_path: Path,
 ) -> None:
     result = run_host("host_drain_p2p", tmp_path)
-    assert result["drained"] is True
-    assert result["during"]["alive"] is True
-    assert [c for c in result["during"]["calls"] if "--gpu-reset" in c] == []
-    assert [e for e in result["events"] if e.get("event") == "action.signal"] == []
-    assert len([c for c in result["calls"] if "--gpu-reset" in c]) == 1
+    waited_for_the_job_then_reset_once(result, "drained", "during")
     kinds = [e["kind"] for e in result["events"] if e.get("event") == "finding.new"]
     assert [k for k in kinds if k in HEALTH_KINDS] == ["drain_required", "reset_required"]
     assert decisions(result["events"]) == simulated("drain-p2p-settles-to-reset")
@@ -436,11 +426,9 @@ def host_fabric_in_progress(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         after, undrained = marker_hook(host, "after")
         run = Run(host, reset={**reset, "cooldown": "0s", "after": [after],
                                "fabric_timeout": "60s"})  # fmt: skip
-        run.start()
-        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
-        time.sleep(1)
-        host.nvml([gpu(0, fabric=completed), gpu(1, fabric=completed)],
-                  events=[{"id": "x95", "gpu": 0, "type": 8, "data": 95}])  # fmt: skip
+        start_then_xid(
+            run, host, [gpu(0, fabric=completed), gpu(1, fabric=completed)], on=0, xid=95
+        )
         waiting = run.wait_for(lambda: run.saw("reset.step", status="fabric_waiting"), timeout=30)
         time.sleep(3)  # three reads a second apart: still IN_PROGRESS
         held = {"after": lines(undrained), "outcome": run.saw("reset.outcome")}
@@ -475,7 +463,7 @@ def test_a_reset_waits_for_the_nvlink_fabric_before_it_counts_and_undrains(
         if e.get("event") == "reset.step" and e.get("status") == "fabric_completed"
     ]
     assert _epoch(done["timestamp"]) >= result["completed_at"] - 0.01
-    assert len([c for c in result["calls"] if "--gpu-reset" in c]) == 1
+    assert len(resets(result["calls"])) == 1
     # Fabric Manager was never touched: the only commands were the reset procedure's own.
     assert all(c.split()[0] in ("--gpu-reset", "-pm", "-q") for c in result["calls"])
 
@@ -490,10 +478,7 @@ def host_xid_48_dry_run(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         run = Run(host, dry_run=True,
                   reset={**reset, "cooldown": "0s", "max_resets": 5,
                          "drain": [[*drain, "{uuid}", "{pci_bus_id}"]]})  # fmt: skip
-        run.start()
-        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
-        time.sleep(1)
-        host.nvml([gpu(0), gpu(1)], events=[{"id": "x48", "gpu": 0, "type": 8, "data": 48}])
+        start_then_xid(run, host, [gpu(0), gpu(1)], on=0, xid=48)
         run.wait_for(lambda: run.saw("finding.resolved"), timeout=30)
         time.sleep(2)  # ten more polls
         run.stop()

@@ -80,6 +80,24 @@ def _on_disk(state: StateDir) -> dict[str, Any]:
     return doc
 
 
+@contextlib.contextmanager
+def _served_clean(
+    devices: Path, state: StateDir
+) -> Iterator[tuple[ViewPublisher, GuardedWatch, ServedPoll]]:
+    """A started watch of ``devices`` marking the view dirty, a clean view published, and the
+    daemon's served poll of it, which finds nothing stale; the watch is closed on leaving."""
+    publisher = ViewPublisher(lambda: state, lambda error: None)
+    watch = GuardedWatch(str(devices), publisher.mark_dirty)
+    assert watch.start()
+    try:
+        publisher.publish(_view(watch))
+        served = ServedPoll(_holder_view(watch), None, watch, publisher)
+        assert served.stale_because("/proc", str(devices)) is None
+        yield publisher, watch, served
+    finally:
+        watch.close()
+
+
 def test_the_watch_reads_no_event_before_the_view_on_disk_says_dirty(
     host: tuple[Path, StateDir],
 ) -> None:
@@ -164,24 +182,6 @@ def test_a_view_that_cannot_be_marked_dirty_stops_the_watch(
     assert watch.fileno() is None
     assert watch.error is not None
     assert "stale" in watch.error
-
-
-@contextlib.contextmanager
-def _served_clean(
-    devices: Path, state: StateDir
-) -> Iterator[tuple[ViewPublisher, GuardedWatch, ServedPoll]]:
-    """A started watch of ``devices`` marking the view dirty, a clean view published, and the
-    daemon's served poll of it, which finds nothing stale; the watch is closed on leaving."""
-    publisher = ViewPublisher(lambda: state, lambda error: None)
-    watch = GuardedWatch(str(devices), publisher.mark_dirty)
-    assert watch.start()
-    try:
-        publisher.publish(_view(watch))
-        served = ServedPoll(_holder_view(watch), None, watch, publisher)
-        assert served.stale_because("/proc", str(devices)) is None
-        yield publisher, watch, served
-    finally:
-        watch.close()
 
 
 def test_the_daemon_sees_an_open_queued_in_its_watch_before_it_serves_its_view(

@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from gpuwatchd.config.files import read_only_everywhere
+from gpuwatchd.core.vocabulary import EventName
 from tests.support.daemonrun import ORPHAN_RULE, orphan_host
 from tests.support.fakenvml import GiB, MiB, gpu, process
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
@@ -405,7 +406,7 @@ def test_the_daemon_accepts_the_configmap_mounted_as_the_kubelet_mounts_it(tmp_p
     )
     assert kubelet.returncode == 0, kubelet.stdout + kubelet.stderr
     assert kubelet.stdout.splitlines()[0] == "777"
-    assert "daemon.start" in kubelet.stderr
+    assert EventName.DAEMON_START in kubelet.stderr
     # The same layout, writable by anyone: refused.
     writable = _in_mount_namespace(
         f"""

@@ -391,7 +391,7 @@ def test_policy_files_that_stop_validating_show_without_any_reload(tmp_path: Pat
     with capture_logs() as logs:
         daemon._check_files()
         daemon._check_files()  # unchanged since: said once
-    (event,) = [e for e in logs if e["event"] == "config.files_rejected"]
+    (event,) = [e for e in logs if e["event"] == EventName.CONFIG_FILES_REJECTED]
     assert event["log_level"] == "error"
     assert "90-typo.yaml" in event["error"]
     rejected = daemon.status_section()["policy_rejected"]
@@ -445,10 +445,10 @@ def test_actions_are_remembered_for_status_and_written_with_the_state(tmp_path: 
     daemon, _ = _daemon_with_config(tmp_path, "dry_run: true\n")
     sink = daemon.engine.sink
     for pid in range(25):
-        sink.emit("action.signal", Level.INFO, {"pid": pid, "signal": "SIGTERM",
+        sink.emit(EventName.ACTION_SIGNAL, Level.INFO, {"pid": pid, "signal": "SIGTERM",
                                                 "outcome": "dry_run", "gpu": "GPU-1",
                                                 "dry_run": True})  # fmt: skip
-    sink.emit("finding.new", Level.WARNING, {"pid": 1})
+    sink.emit(EventName.FINDING_NEW, Level.WARNING, {"pid": 1})
     actions = daemon.status_section()["recent_actions"]
     assert isinstance(actions, list)
     assert len(actions) == 20

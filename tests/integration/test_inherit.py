@@ -582,7 +582,7 @@ def test_kcmp_unavailable_is_logged_once_and_answers_stay_unknown() -> None:
         first = probe.compare(snapshot.processes, snapshot.holders, [800], {})
         probe.compare(snapshot.processes, snapshot.holders, [800], {})
     assert [a.shared for a in first] == [None]
-    events = [e for e in logs if e["event"] == "collect.kcmp_unavailable"]
+    events = [e for e in logs if e["event"] == EventName.COLLECT_KCMP_UNAVAILABLE]
     assert len(events) == 1
     assert events[0]["log_level"] == "warning"
 

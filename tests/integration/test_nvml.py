@@ -215,7 +215,7 @@ def test_v1_memory_fallback_leaves_allocated_unknown_and_is_logged_once_per_gpu(
         )
         assert reading.gpus[1].memory is not None
         assert reading.gpus[1].memory.api == "v2"
-    fallbacks = [e for e in logs if e["event"] == "nvml.memory_v1_fallback"]
+    fallbacks = [e for e in logs if e["event"] == EventName.NVML_MEMORY_V1_FALLBACK]
     assert [e["gpu"] for e in fallbacks] == [readings[0].gpus[0].uuid]
 
 
@@ -505,7 +505,7 @@ def test_a_driver_that_stays_hung_is_logged_wedged_once_a_stretch(
             client.timeout = 0.5
             fake_nvml.write(state([gpu(0)], delays=HANG))
             assert client.read().wedged  # a new stretch is logged again
-        wedged = [e for e in logs if e["event"] == "nvml.wedged"]
+        wedged = [e for e in logs if e["event"] == EventName.NVML_WEDGED]
         assert [e["log_level"] for e in wedged] == ["critical", "critical"]
     finally:
         client.stop()
@@ -520,13 +520,13 @@ def test_hung_call_reads_as_wedged_within_the_deadline_and_recovers_after_backof
         with capture_logs() as logs:
             wedged = client.read()
         took = time.monotonic() - started
-        dead_worker = [e["pid"] for e in logs if e["event"] == "nvml.wedged"]
+        dead_worker = [e["pid"] for e in logs if e["event"] == EventName.NVML_WEDGED]
 
         assert wedged.wedged
         assert wedged.available
         assert wedged.error == "NVML call did not return within 1s (driver may be hung)"
         assert took < 1.5
-        assert [e["log_level"] for e in logs if e["event"] == "nvml.wedged"] == ["critical"]
+        assert [e["log_level"] for e in logs if e["event"] == EventName.NVML_WEDGED] == ["critical"]
         assert dead_worker[0] is not None
         assert not psutil.pid_exists(dead_worker[0])
         assert client.worker_pids == frozenset()

@@ -19,6 +19,7 @@ from structlog.testing import capture_logs
 
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.config.schema import default_policy
+from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.daemon.lifecycle import Daemon
 from gpuwatchd.state.directory import AlreadyRunning, StateDir
 from gpuwatchd.state.pause import (
@@ -179,7 +180,7 @@ def test_the_daemon_reports_waiting_hand_overs_when_their_number_changes(
     with capture_logs() as logs:
         daemon._take_ended_jobs()
         daemon._take_ended_jobs()
-    over = [e for e in logs if e["event"] == "scheduler.ended_jobs_over_limit"]
+    over = [e for e in logs if e["event"] == EventName.SCHEDULER_ENDED_JOBS_OVER_LIMIT]
     assert [(e["waiting"], e["honoured"], e["log_level"]) for e in over] == [
         (3, MAX_ENDED_JOBS, "warning")
     ]

@@ -14,6 +14,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from gpuwatchd.core.checked import as_map
+from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.state.directory import AlreadyRunning
 from gpuwatchd.state.saved import StateStore, read_saved_state
 
@@ -67,7 +68,7 @@ def test_corrupt_file_is_logged_moved_aside_and_load_starts_clean(
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("state.json.corrupt-")]
     assert len(aside) == 1
     assert aside[0].read_bytes() == content
-    assert logs[0]["event"] == "state.corrupt"
+    assert logs[0]["event"] == EventName.STATE_CORRUPT
     assert logs[0]["path"] == str(tmp_path / "state.json")
     assert why in str(logs[0]["why"])
 
@@ -78,7 +79,7 @@ def test_discard_corrupt_moves_a_malformed_but_valid_json_file_aside(tmp_path: P
     with capture_logs() as logs:
         store.discard_corrupt("plan: expected an object")
     assert store.load() == {}
-    assert logs[0]["event"] == "state.corrupt"
+    assert logs[0]["event"] == EventName.STATE_CORRUPT
 
 
 _HOLDER = textwrap.dedent(

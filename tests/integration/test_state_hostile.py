@@ -98,7 +98,7 @@ def test_a_linked_state_file_is_moved_aside_not_read(state_dir: Path, victim: Pa
     (state_dir / "state.json").symlink_to(victim)
     with capture_logs() as logs:
         assert StateStore(str(state_dir)).load() == {}
-    assert [e["event"] for e in logs] == ["state.corrupt"]
+    assert [e["event"] for e in logs] == [EventName.STATE_CORRUPT]
     assert victim.read_text() == SECRET
 
 
@@ -106,7 +106,7 @@ def test_a_deeply_nested_state_file_is_corrupt_not_a_crash(state_dir: Path) -> N
     (state_dir / "state.json").write_text("[" * 100_000)
     with capture_logs() as logs:
         assert StateStore(str(state_dir)).load() == {}
-    assert [e["event"] for e in logs] == ["state.corrupt"]
+    assert [e["event"] for e in logs] == [EventName.STATE_CORRUPT]
 
 
 def test_a_state_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:

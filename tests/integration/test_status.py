@@ -31,7 +31,7 @@ from gpuwatchd.cli.main import main
 from gpuwatchd.cli.process_kind import look_at_process
 from gpuwatchd.cli.status import STALE_MIN, StatusCode, describe
 from gpuwatchd.cli.status_text import render_text
-from gpuwatchd.core.vocabulary import LadderStatus, Level
+from gpuwatchd.core.vocabulary import EventName, LadderStatus, Level
 from gpuwatchd.decide.plan.state import Ladder, PlanState
 from gpuwatchd.decide.verdict import UNREADABLE
 from gpuwatchd.state.directory import StateDir
@@ -323,11 +323,13 @@ def test_a_users_kill_cap_latch_is_shown_and_needs_attention() -> None:
 
 def test_recent_actions_read_as_sentences_newest_last_at_most_20() -> None:
     actions = [
-        {"at": NOW - 100 + i, "event": "hook.run", "outcome": f"exit {i}", "dry_run": True}
+        {"at": NOW - 100 + i, "event": EventName.HOOK_RUN, "outcome": f"exit {i}", "dry_run": True}
         for i in range(25)
     ]
     actions[-1]["hook"] = "on_failure"
-    actions.append({"at": NOW - 60, "event": "reset.outcome", "gpu": "GPU-2", "outcome": "success"})
+    actions.append(
+        {"at": NOW - 60, "event": EventName.RESET_OUTCOME, "gpu": "GPU-2", "outcome": "success"}
+    )
     result = run_describe(saved(recent_actions=actions))
     assert len(result["recent_actions"]) == 20
     text = render_text(result)
@@ -339,7 +341,11 @@ def test_recent_actions_read_as_sentences_newest_last_at_most_20() -> None:
 
 
 def test_a_recent_action_reads_as_the_catalogues_sentence_the_daemon_kept() -> None:
-    action = {"at": NOW - 5, "event": "action.signal", "sentence": "Sent SIGKILL to PID 9 (x)."}
+    action = {
+        "at": NOW - 5,
+        "event": EventName.ACTION_SIGNAL,
+        "sentence": "Sent SIGKILL to PID 9 (x).",
+    }
     text = render_text(run_describe(saved(recent_actions=[action])))
     assert "  5s ago: Sent SIGKILL to PID 9 (x).\n" in text
 
@@ -767,7 +773,7 @@ def test_what_the_daemon_writes_is_what_status_reads(tmp_path: Path) -> None:
     policy = dataclasses.replace(default_policy(), state_dir=str(tmp_path / "state"), dry_run=True)
     daemon = Daemon(policy, config_path=str(config))
     daemon.engine.sink.emit(
-        "action.signal",
+        EventName.ACTION_SIGNAL,
         Level.INFO,
         {"pid": 77, "signal": "SIGTERM", "outcome": "dry_run", "gpu": "GPU-1", "dry_run": True},
     )

@@ -36,6 +36,8 @@ from typing import Any
 
 import yaml
 
+from gpuwatchd.core.vocabulary import EventName
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = Path(__file__).with_name("cuda_launcher.py")
 FAKECUDA_SOURCE = Path(__file__).with_name("fakecuda.c")
@@ -343,7 +345,8 @@ def _run(side: RealGpus | FakeGpus, arg: Mapping[str, Any], root: Path) -> dict[
         launcher.wait()
         record["signalled_after"] = _until(
             lambda: any(
-                e.get("event") == "action.signal" and e.get("pid") == worker for e in _events(log)
+                e.get("event") == EventName.ACTION_SIGNAL and e.get("pid") == worker
+                for e in _events(log)
             ),
             BOUNDS["signalled"],
             killed,
@@ -374,12 +377,12 @@ def _run(side: RealGpus | FakeGpus, arg: Mapping[str, Any], root: Path) -> dict[
         record["signals"] = [
             {k: e.get(k) for k in ("pid", "signal", "outcome", "dry_run", "rule", "kind")}
             for e in events
-            if e.get("event") == "action.signal"
+            if e.get("event") == EventName.ACTION_SIGNAL
         ]
         record["findings"] = [
             {k: e.get(k) for k in ("kind", "pid", "gpu", "actionable")}
             for e in events
-            if e.get("event") == "finding.new"
+            if e.get("event") == EventName.FINDING_NEW
         ]
         record["errors"] = [e for e in events if e.get("level") in ("error", "critical")][:20]
         record["log_tail"] = log.read_text()[-4000:] if log.exists() else ""

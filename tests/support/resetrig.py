@@ -13,7 +13,7 @@ from dataclasses import replace
 from gpuwatchd.act.reset_resume import resume_interrupted
 from gpuwatchd.act.reset_target import ResetTarget, progress_record
 from gpuwatchd.core.model import GpuInfo, MigDevice
-from gpuwatchd.core.vocabulary import ResetStep
+from gpuwatchd.core.vocabulary import EventName, ResetStep
 from gpuwatchd.decide.mig.recovery import InstanceRecovery
 from gpuwatchd.decide.plan.monitors import StoppableMonitor
 from gpuwatchd.decide.policy import Hook, ResetPolicy
@@ -111,11 +111,13 @@ class FakeEnvironment:
         self.events.append((event, level, fields))
 
     def finished(self) -> tuple[str, dict[str, object]]:
-        [(level, fields)] = [(lvl, f) for e, lvl, f in self.events if e == "reset.finished"]
+        [(level, fields)] = [(lvl, f) for e, lvl, f in self.events if e == EventName.RESET_FINISHED]
         return level, fields
 
     def step_events(self, step: ResetStep) -> list[dict[str, object]]:
-        return [f for e, _l, f in self.events if e == "reset.step" and f["step"] == step.value]
+        return [
+            f for e, _l, f in self.events if e == EventName.RESET_STEP and f["step"] == step.value
+        ]
 
 
 def make_policy(smi: FakeSmi, **changes: object) -> ResetPolicy:

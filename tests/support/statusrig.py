@@ -10,7 +10,7 @@ from gpuwatchd.cli.status import (
     describe,
 )
 from gpuwatchd.config.schema import parse_policy_documents
-from gpuwatchd.core.vocabulary import LadderStatus
+from gpuwatchd.core.vocabulary import EventName, LadderStatus
 from gpuwatchd.decide.plan.state import Ladder, PlanState
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.state.status_document import build_document
@@ -73,7 +73,7 @@ def saved(*, plan: dict[str, object] | None = None, **status: object) -> dict[st
         "recent_actions": [
             {
                 "at": NOW - 5,
-                "event": "action.signal",
+                "event": EventName.ACTION_SIGNAL,
                 "gpu": "GPU-1",
                 "pid": 4250,
                 "signal": "SIGTERM",

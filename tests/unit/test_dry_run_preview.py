@@ -35,23 +35,23 @@ GPU0 = "GPU-00000000-0000-4000-8000-000000000000"
 # What the daemon decides (observations of the world, the reset's inner steps and the bookings
 # that repeat reset.outcome are left out).
 DECISIONS = (
-    "health.drain_started",
-    "health.drain_waiting",
-    "health.drain_timed_out",
-    "escalation.step_due",
-    "escalation.resolved",
-    "escalation.ended",
-    "action.signal",
-    "action.refused",
-    "limits.kill_cap_reached",
-    "reset.due",
-    "reset.refused",
-    "reset.limit_reached",
-    "reset.outcome",
-    "hook.run",
-    "gpu.needs_reboot",
+    EventName.HEALTH_DRAIN_STARTED,
+    EventName.HEALTH_DRAIN_WAITING,
+    EventName.HEALTH_DRAIN_TIMED_OUT,
+    EventName.ESCALATION_STEP_DUE,
+    EventName.ESCALATION_RESOLVED,
+    EventName.ESCALATION_ENDED,
+    EventName.ACTION_SIGNAL,
+    EventName.ACTION_REFUSED,
+    EventName.LIMITS_KILL_CAP_REACHED,
+    EventName.RESET_DUE,
+    EventName.RESET_REFUSED,
+    EventName.RESET_LIMIT_REACHED,
+    EventName.RESET_OUTCOME,
+    EventName.HOOK_RUN,
+    EventName.GPU_NEEDS_REBOOT,
 )
-WOULD_BE = {"action.signal": "outcome", "reset.outcome": "result"}
+WOULD_BE: dict[str, str] = {EventName.ACTION_SIGNAL: "outcome", EventName.RESET_OUTCOME: "result"}
 
 
 def decisions(result: SimulationResult) -> list[tuple[object, ...]]:
@@ -63,7 +63,7 @@ def decisions(result: SimulationResult) -> list[tuple[object, ...]]:
             e.fields.get("gpu"),
             e.fields.get("pid"),
             e.fields.get("signal"),
-            e.fields.get("step") if e.name == "escalation.step_due" else None,
+            e.fields.get("step") if e.name == EventName.ESCALATION_STEP_DUE else None,
             e.fields.get("hook"),
             json.dumps(e.fields.get("argv")),
         )
@@ -122,17 +122,17 @@ def test_a_health_incident_previews_the_same_resets_limit_and_hooks_as_enforceme
     assert [r for _, _, r in enforcing.resets()] == ["success", "success"]
     assert [r for _, _, r in dry.resets()] == ["dry_run", "dry_run"]
     # max_resets: 2 stops both runs at the third incident, in the same words.
-    (limit,) = dry.entries("reset.limit_reached")
-    (real_limit,) = enforcing.entries("reset.limit_reached")
+    (limit,) = dry.entries(EventName.RESET_LIMIT_REACHED)
+    (real_limit,) = enforcing.entries(EventName.RESET_LIMIT_REACHED)
     assert limit.t == real_limit.t
     assert limit.fields["why"] == real_limit.fields["why"]
     # The health findings come and go at the same times too (the would-be reset is assumed
     # to have succeeded, and the timeline says so).
-    health = ("finding.new", "finding.resolved")
+    health = (EventName.FINDING_NEW, EventName.FINDING_RESOLVED)
     assert [(e.name, e.t) for e in dry.timeline if e.name in health] == [
         (e.name, e.t) for e in enforcing.timeline if e.name in health
     ]
-    assumed = dry.entries("reset.dry_run")
+    assumed = dry.entries(EventName.RESET_DRY_RUN)
     assert len(assumed) == 2
     assert all(str(e.fields["assumed"]).startswith("success") for e in assumed)
     assert "assumed to have succeeded" in assumed[0].text
@@ -140,17 +140,17 @@ def test_a_health_incident_previews_the_same_resets_limit_and_hooks_as_enforceme
 
 def test_would_be_hooks_show_their_argv_filled_in() -> None:
     dry, enforcing = both(FLAPPING)
-    drains = [e for e in dry.entries("hook.run") if e.fields["hook"] == "reset_drain"]
+    drains = [e for e in dry.entries(EventName.HOOK_RUN) if e.fields["hook"] == "reset_drain"]
     assert drains[0].fields["argv"] == [
         "scontrol", "update", "nodename=sim-node", "drain", f"reason={GPU0} 00000000:17:00.0",
     ]  # fmt: skip
     assert drains[0].fields["dry_run"] is True
-    real = [e for e in enforcing.entries("hook.run") if e.fields["hook"] == "reset_drain"]
+    real = [e for e in enforcing.entries(EventName.HOOK_RUN) if e.fields["hook"] == "reset_drain"]
     assert real[0].fields["argv"] == drains[0].fields["argv"]
     assert real[0].fields["returncode"] == 0  # it ran: every placeholder had its value
     # The reset procedure's own would-be hooks are filled in as well.
     after = [
-        e for e in dry.entries("reset.step")
+        e for e in dry.entries(EventName.RESET_STEP)
         if e.fields["step"] == "after_hooks" and e.fields["status"] == "would_run"
     ]  # fmt: skip
     assert after[0].fields["hooks"] == [["/usr/local/sbin/undrain", "00000000:17:00.0"]]
@@ -171,8 +171,8 @@ events:
   - {at: 20s, health: {gpu: 0, recovery_action: GPU_RESET}}
 """
     dry, enforcing = both(text)
-    assert len(dry.entries("reset.due")) == 1
-    assert len(dry.entries("reset.step")) == len(enforcing.entries("reset.step"))
+    assert len(dry.entries(EventName.RESET_DUE)) == 1
+    assert len(dry.entries(EventName.RESET_STEP)) == len(enforcing.entries(EventName.RESET_STEP))
     assert decisions(dry) == decisions(enforcing)
     assert dry.final["open_findings"] == enforcing.final["open_findings"] == []
 
@@ -226,7 +226,7 @@ def test_a_kill_storm_previews_the_same_ladders_cap_and_holds_as_enforcement() -
     held = [e for e in dry.entries(EventName.ACTION_REFUSED) if "kill cap" in str(e.fields["why"])]
     assert len(held) == 4
     # The cap is per user: enforcement latches alice's targets only, and so does the preview.
-    (real_cap,) = enforcing.entries("limits.kill_cap_reached")
+    (real_cap,) = enforcing.entries(EventName.LIMITS_KILL_CAP_REACHED)
     assert cap.fields["scope"] == real_cap.fields["scope"] == "uid:1000"
     # Both count the 4 ladders that signalled within the hour before the cap.
     assert cap.fields["signalled_this_hour"] == real_cap.fields["signalled_this_hour"] == 4
@@ -302,11 +302,11 @@ events:
 def test_a_would_be_sigkill_ends_its_ladder_as_a_real_one_would() -> None:
     dry, enforcing = both(kill_storm(workers=2, cap=16))
     assert decisions(dry) == decisions(enforcing)
-    resolved = dry.entries("escalation.resolved")
+    resolved = dry.entries(EventName.ESCALATION_RESOLVED)
     assert len(resolved) == 2
     assert all("would-be SIGKILL" in str(e.fields["why"]) for e in resolved)
     # Its on_action notification is shown as a would-be one, filled in.
-    notes = [e for e in dry.entries("hook.run") if e.fields["hook"] == "on_action"]
+    notes = [e for e in dry.entries(EventName.HOOK_RUN) if e.fields["hook"] == "on_action"]
     assert [e.fields["argv"] for e in notes] == [["/usr/local/sbin/notify", "alice"]] * 2
     # Never a second ladder for a target assumed gone: no signal after the SIGKILLs.
     last_kill = max(t for t, _, s, _ in dry.signals() if s == "SIGKILL")

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
+from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.daemon.host import LogSink
 from gpuwatchd.engine.cycle import Engine
 from gpuwatchd.sim.scenario import load_scenario
@@ -98,7 +99,7 @@ def _timeline_events(sim: Simulation) -> list[tuple[str, str, dict[str, object]]
         if entry.name.startswith(("world.", "sim.")):
             continue
         fields = dict(entry.fields)
-        if entry.name == "action.signal":
+        if entry.name == EventName.ACTION_SIGNAL:
             fields.pop("process", None)  # the timeline names the scenario's process
         fields.pop("during", None)
         events.append((entry.name, str(entry.level), fields))

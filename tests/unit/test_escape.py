@@ -10,6 +10,7 @@ import structlog
 
 from gpuwatchd.cli.explain import render_explanation
 from gpuwatchd.core.escape import escape
+from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.events.logs import configure_logging
 
 SEPARATORS = ["\n", "\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
@@ -46,7 +47,7 @@ def test_a_log_event_stays_one_line_whatever_its_values_hold(fmt: str, sep: str)
     stream = io.StringIO()
     configure_logging(fmt=fmt, stream=stream, environ={})
     try:
-        structlog.get_logger().warning("action.signal", cmdline=f"evil{sep}level=critical")
+        structlog.get_logger().warning(EventName.ACTION_SIGNAL, cmdline=f"evil{sep}level=critical")
     finally:
         configure_logging(fmt="logfmt", stream=io.StringIO(), environ={})
     text = stream.getvalue()

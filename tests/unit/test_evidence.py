@@ -29,6 +29,7 @@ from gpuwatchd.cli.scan import snapshot_report
 from gpuwatchd.cli.status import describe, read_evidence
 from gpuwatchd.cli.status_text import render_text
 from gpuwatchd.core.model import Snapshot
+from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.decide.assess.passes import assess
 from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
@@ -238,7 +239,7 @@ def test_a_reset_leaves_one_evidence_file_named_by_its_outcome(
         "reset: {confirm_for: 0s}", state_dir, dry_run=dry_run
     )
     engine.poll()
-    (outcome,) = sink.named("reset.outcome")
+    (outcome,) = sink.named(EventName.RESET_OUTCOME)
     (entry,) = list_evidence(state_dir)
     assert outcome["evidence_file"] == state_dir.join(entry.name)
     assert (entry.action, entry.dry_run, entry.gpu) == ("gpu_reset", dry_run, GPU0)
@@ -253,7 +254,7 @@ def test_a_reset_the_final_scan_refuses_keeps_its_evidence_too(state_dir: StateD
     assert isinstance(engine.reader, Reader)
     engine.reader.blockers = [4321]  # a holder appears before the final scan
     engine.poll()
-    (outcome,) = sink.named("reset.outcome")
+    (outcome,) = sink.named(EventName.RESET_OUTCOME)
     assert outcome["result"] == "refused"
     (entry,) = list_evidence(state_dir)
     assert outcome["evidence_file"] == state_dir.join(entry.name)
@@ -267,13 +268,13 @@ def test_a_health_drain_and_its_reset_each_leave_an_evidence_file(
     extra = "reset:\n  confirm_for: 0s\n  drain:\n    - command: [drain-it, '{uuid}']"
     engine, sink, _ = engine_with_evidence(extra, state_dir, dry_run=dry_run, health_gpu=True)
     engine.poll()
-    drains = [h for h in sink.named("hook.run") if h["hook"] == "reset_drain"]
+    drains = [h for h in sink.named(EventName.HOOK_RUN) if h["hook"] == "reset_drain"]
     assert drains
     kept = list_evidence(state_dir)
     assert [e.action for e in kept] == ["reset_drain", "gpu_reset"]
     assert all(e.dry_run is dry_run for e in kept)
     assert {h["evidence_file"] for h in drains} == {state_dir.join(kept[0].name)}
-    (outcome,) = sink.named("reset.outcome")
+    (outcome,) = sink.named(EventName.RESET_OUTCOME)
     assert outcome["evidence_file"] == state_dir.join(kept[1].name)
     doc = json.loads(Path(state_dir.join(kept[0].name)).read_text())
     assert doc["report"]["gpus"][0]["health"]["recovery_action"] == 1
@@ -290,7 +291,7 @@ def test_on_failure_hooks_leave_an_evidence_file_but_notifications_do_not(
     engine.poll()
     kept = list_evidence(state_dir)
     assert [e.action for e in kept] == ["gpu_reset", "on_failure"]
-    (failure,) = [h for h in sink.named("hook.run") if h["hook"] == "on_failure"]
+    (failure,) = [h for h in sink.named(EventName.HOOK_RUN) if h["hook"] == "on_failure"]
     assert failure["evidence_file"] == state_dir.join(kept[1].name)
 
 
@@ -298,11 +299,11 @@ def test_without_a_usable_state_dir_the_step_goes_on_and_says_so(state_dir: Stat
     engine, sink, actuator = engine_with_evidence("reset: {confirm_for: 0s}", state_dir)
     engine.evidence = keeper(None)
     engine.poll()
-    (unsaved,) = sink.named("evidence.unsaved")
+    (unsaved,) = sink.named(EventName.EVIDENCE_UNSAVED)
     assert unsaved["action"] == "gpu_reset"
     assert unsaved["gpu"] == GPU0
     assert unsaved["error"] == "state_dir unusable"
-    (outcome,) = sink.named("reset.outcome")
+    (outcome,) = sink.named(EventName.RESET_OUTCOME)
     assert "evidence_file" not in outcome
     assert [argv for argv, _ in actuator.commands if "--gpu-reset" in argv]
 
@@ -326,7 +327,7 @@ def test_a_bug_in_the_report_or_the_keeper_never_stops_the_step(state_dir: State
     engine.evidence = Crashing(lambda: state_dir, broken)
     engine.state = EngineState()  # a new incident: the reset is planned again
     engine.poll()
-    (unsaved,) = sink.named("evidence.unsaved")
+    (unsaved,) = sink.named(EventName.EVIDENCE_UNSAVED)
     assert unsaved["error"] == "crashed (a bug): RuntimeError('bug')"
     assert len([argv for argv, _ in actuator.commands if "--gpu-reset" in argv]) == 2
 

@@ -11,6 +11,7 @@ from gpuwatchd.collect.cgroups import classify_cgroup_path
 from gpuwatchd.config.schema import default_policy
 from gpuwatchd.core.model import MIB, CgroupInfo, Finding, FindingKind, ProcessInfo
 from gpuwatchd.core.paths import NVML_LAUNCHER_FILE, NVML_WORKER_FILE
+from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.decide.assess.passes import assess
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.floor import (
@@ -218,7 +219,7 @@ def test_assess_and_plan_agree_that_an_infrastructure_unit_is_no_live_holder() -
             self_ancestors=frozenset(),
         )
         pstate = result.state
-        refused = [e for e in result.events if e.name == "reset.refused"]
+        refused = [e for e in result.events if e.name == EventName.RESET_REFUSED]
         assert not any("live holder" in str(e.fields.get("why")) for e in refused)
         intents.extend(result.intents)
     assert [type(i) for i in intents] == [ResetIntent]

@@ -194,11 +194,11 @@ def test_level_filters_out_lower_events_and_a_reconfigure_changes_it() -> None:
     configure_logging(fmt="logfmt", level="warning", stream=stream, environ={})
     log = structlog.get_logger()
     log.info("routine")
-    log.warning("action.signal")
+    log.warning(EventName.ACTION_SIGNAL)
     configure_logging(fmt="logfmt", level="debug", stream=stream, environ={})
     log.debug("detail")
     events = [parse_logfmt(line)["event"] for line in stream.getvalue().splitlines()]
-    assert events == ["action.signal", "detail"]
+    assert events == [EventName.ACTION_SIGNAL, "detail"]
 
 
 @pytest.mark.parametrize(
@@ -266,7 +266,7 @@ def test_auto_format_picks_journald_then_console_then_logfmt(
     if expect == "journald":
         assert line == "<6>level=info event=daemon.start interval=5"
     elif expect == "console":
-        assert "daemon.start" in line
+        assert EventName.DAEMON_START in line
         assert "event=" not in line
         assert "\x1b[" in line  # coloured on a terminal
     else:
@@ -303,7 +303,7 @@ def test_a_bound_logger_name_and_fields_go_out_with_the_event() -> None:
             "gpu": "GPU-1",
             "pid": 5,
             "signal": "TERM",
-            "event": "action.signal",
+            "event": EventName.ACTION_SIGNAL,
             "log_level": "warning",
         }
     ]
@@ -457,9 +457,9 @@ def test_under_the_journal_an_event_is_one_native_entry_with_its_fields(
         "Sent SIGTERM to PID 4242 (python) on GPU-5a1e7e6c-0000-4000-8000-000000000001"
         " (rule orphans, step 1). event=action.signal pid=4242 "
     )
-    assert entry.text("MESSAGE_ID") == documented_message_ids()["action.signal"]
-    assert entry.text("MESSAGE_ID") == message_id("action.signal")
-    assert entry.text("GPUWATCHD_EVENT") == "action.signal"
+    assert entry.text("MESSAGE_ID") == documented_message_ids()[EventName.ACTION_SIGNAL]
+    assert entry.text("MESSAGE_ID") == message_id(EventName.ACTION_SIGNAL)
+    assert entry.text("GPUWATCHD_EVENT") == EventName.ACTION_SIGNAL
     assert entry.text("GPU_UUID") == "GPU-5a1e7e6c-0000-4000-8000-000000000001"
     assert entry.text("TARGET_PID") == "4242"
     assert entry.text("DRY_RUN") == "false"
@@ -526,7 +526,7 @@ def test_finding_fields_and_values_have_stable_names_and_plain_text(
     assert entry.text("GPUWATCHD_ROLES") == '["worker"]'
     assert entry.text("GPUWATCHD_RATIO") == "0.5"
     assert entry.text("GPUWATCHD_LOGGER") == "gpuwatchd.plan"
-    assert entry.text("MESSAGE_ID") == documented_message_ids()["finding.new"]
+    assert entry.text("MESSAGE_ID") == documented_message_ids()[EventName.FINDING_NEW]
 
 
 def test_hostile_values_arrive_intact_in_their_field_while_message_stays_one_line(
@@ -539,7 +539,7 @@ def test_hostile_values_arrive_intact_in_their_field_while_message_stays_one_lin
     assert entry["GPUWATCHD_CMDLINE"].decode() == hostile
     assert "GPUWATCHD_CMDLINE" in entry.binary  # the length form: no field can be forged
     assert entry.text("PRIORITY") == "4"
-    assert entry.text("MESSAGE_ID") == message_id("action.signal")
+    assert entry.text("MESSAGE_ID") == message_id(EventName.ACTION_SIGNAL)
     message = entry.text("MESSAGE")
     assert message.isprintable()
     assert "MESSAGE" not in entry.binary
@@ -781,7 +781,11 @@ def test_native_entries_do_not_depend_on_the_format_but_the_fallback_does(
     (line,) = journal.lines()
     assert line.startswith("<6>")
     if fmt == "json":
-        assert json.loads(line[3:]) == {"level": "info", "event": "daemon.stop", "exit_code": 0}
+        assert json.loads(line[3:]) == {
+            "level": "info",
+            "event": EventName.DAEMON_STOP,
+            "exit_code": 0,
+        }
 
 
 def test_an_unrenderable_value_under_the_journal_never_raises(journal: FakeJournal) -> None:
@@ -838,7 +842,7 @@ def test_the_journal_message_has_no_none_no_empty_field_and_no_long_float() -> N
     entry = logs.journal_entry(
         "warning",
         {
-            "event": "finding.resolved",
+            "event": EventName.FINDING_RESOLVED,
             "finding": "dead_process:GPU-1:4",
             "lasted": 65.123456789,
             "memory": None,

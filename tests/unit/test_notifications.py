@@ -18,7 +18,7 @@ from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.config.schema import parse_policy_documents, render_policy
 from gpuwatchd.config.yamlsrc import ConfigError
 from gpuwatchd.core.model import ProcessIdentity
-from gpuwatchd.core.vocabulary import SignalOutcome
+from gpuwatchd.core.vocabulary import EventName, SignalOutcome
 from gpuwatchd.daemon.host import HookQueue, node_name
 from gpuwatchd.decide.argv import HOOK_VALUE_LIMIT, check_value, format_argv, hook_environment
 from gpuwatchd.decide.policy import Policy
@@ -102,9 +102,9 @@ def test_a_freed_target_notifies_with_its_owner_the_node_and_the_gpu_off_the_pol
         f"PID 201 of user alice on {enginerig.GPU0}, signalled by rule orphans, was stopped; its"
         " GPU memory is freed (target exited)."
     )
-    assert r.sink.named("hook.run") == []  # reported by the main loop, at its next poll
+    assert r.sink.named(EventName.HOOK_RUN) == []  # reported by the main loop, at its next poll
     r.poll_at(1.0)
-    (ran,) = r.sink.named("hook.run")
+    (ran,) = r.sink.named(EventName.HOOK_RUN)
     assert ran["hook"] == "on_action"
     assert ran["argv"] == ["notify", "alice", "gpu17", enginerig.GPU0]
     assert ran["returncode"] == 0
@@ -133,7 +133,7 @@ def test_a_full_queue_drops_the_notification_and_says_so() -> None:
         enginerig.rig(policy(NOTIFY), enginerig.orphan_host), Deferred(accept=False)
     )
     kill_worker(r)
-    (dropped,) = r.sink.named("hook.run")
+    (dropped,) = r.sink.named(EventName.HOOK_RUN)
     assert dropped["outcome"] == "dropped"
     assert "queue is full" in str(dropped["detail"])
     assert notify_commands(r) == []
@@ -161,11 +161,11 @@ def test_a_crashing_notification_is_one_hook_run_through_the_event_sink() -> Non
     kill_worker(r)
     background.run_all()  # the notification raises on its thread: nothing escapes
     r.poll_at(1.0)
-    (crashed,) = r.sink.named("hook.run")
+    (crashed,) = r.sink.named(EventName.HOOK_RUN)
     assert crashed["outcome"] == "crashed"
     assert crashed["hook"] == "on_action"
     assert "bug in the runner" in str(crashed["error"])
-    assert [level for name, level, _ in r.sink.events if name == "hook.run"] == ["error"]
+    assert [level for name, level, _ in r.sink.events if name == EventName.HOOK_RUN] == ["error"]
 
 
 def test_dry_run_notifies_nobody_and_shows_the_would_be_notification_once() -> None:
@@ -179,7 +179,7 @@ def test_dry_run_notifies_nobody_and_shows_the_would_be_notification_once() -> N
     assert notify_commands(r) == []
     # The would-be SIGKILL is assumed to end the target (as enforcement's would): its
     # notification is shown as enforcement would send it, marked would-be, once.
-    (shown,) = [h for h in r.sink.named("hook.run") if h["hook"] == "on_action"]
+    (shown,) = [h for h in r.sink.named(EventName.HOOK_RUN) if h["hook"] == "on_action"]
     assert shown["dry_run"] is True
     assert shown["outcome"] == "dry_run"
     assert shown["argv"] == ["notify", "alice", "gpu17", enginerig.GPU0]
@@ -222,7 +222,7 @@ on_action:
     assert env["GPUWATCHD_MESSAGE"] == f"{enginerig.GPU0} was reset."
     assert "GPUWATCHD_USER" not in env
     r.poll_at(1.0)
-    ran = [h for h in r.sink.named("hook.run") if h["hook"] == "on_action"]
+    ran = [h for h in r.sink.named(EventName.HOOK_RUN) if h["hook"] == "on_action"]
     assert len(ran) == 2
     assert ran[0]["returncode"] == 0
     assert ran[1]["returncode"] is None
@@ -252,7 +252,7 @@ on_failure:
     r.engine.background.run_all()  # type: ignore[attr-defined]
     assert notify_commands(r) == []  # NOTIFY needs {user}, unknown after a reset: not run
     r.poll_at(1.0)
-    ran = [h for h in r.sink.named("hook.run") if h["hook"] == "on_action"]
+    ran = [h for h in r.sink.named(EventName.HOOK_RUN) if h["hook"] == "on_action"]
     assert len(ran) == 1
     assert "reset_failed" in str(ran[0]["reason"])
 

@@ -18,7 +18,7 @@ from gpuwatchd.act.reset import perform_reset
 from gpuwatchd.act.reset_resume import resume_interrupted
 from gpuwatchd.act.reset_target import ResetTarget, interpret_reset_exit
 from gpuwatchd.act.signals import stat_start_ticks
-from gpuwatchd.core.vocabulary import ResetStep
+from gpuwatchd.core.vocabulary import EventName, ResetStep
 from gpuwatchd.decide.policy import Hook, ResetPolicy
 from tests.support.fakesmi import FakeSmi
 from tests.support.resetrig import (
@@ -379,7 +379,9 @@ def test_dry_run_runs_no_command_and_no_hook_and_records_nothing(smi: FakeSmi) -
     assert reset_event["argv"] == [str(smi.path), *RESET]
     assert reset_event["dry_run"] is True
     would = {
-        f["step"] for e, _l, f in env.events if e == "reset.step" and f["status"] == "would_run"
+        f["step"]
+        for e, _l, f in env.events
+        if e == EventName.RESET_STEP and f["status"] == "would_run"
     }
     assert would == {
         "drain",

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.sim.scenario import load_scenario
 from gpuwatchd.sim.simulation import simulate
 from gpuwatchd.sim.timeline import SimulationResult, render_text
@@ -45,14 +46,14 @@ def test_torchrun_agent_died() -> None:
     signalled = {name for _, name, _, _ in r.signals()}
     assert signalled == {"rank-1-loader"}
     assert signals_to(r, "rank-1-loader") == [(150.0, "SIGTERM")]
-    assert not [e for e in r.entries("finding.new") if e.t < 120.0]
+    assert not [e for e in r.entries(EventName.FINDING_NEW) if e.t < 120.0]
 
 
 def test_zombie_child_keeps_memory() -> None:
     r = run("zombie-child-keeps-memory")
     assert signals_to(r, "trainer") == []
     assert signals_to(r, "helper") == [(40.0, "SIGTERM")]
-    reaps = r.entries("zombie.needs_reap")
+    reaps = r.entries(EventName.ZOMBIE_NEEDS_REAP)
     assert reaps
     assert reaps[0].fields["parent"] == 5100
     assert r.final["open_findings"] == []
@@ -61,8 +62,8 @@ def test_zombie_child_keeps_memory() -> None:
 def test_stuck_d_state() -> None:
     r = run("stuck-d-state")
     assert signals_to(r, "worker-stuck") == []
-    assert [e.t for e in r.entries("target.stuck")] == [15.0]
-    hooks = r.entries("hook.run")
+    assert [e.t for e in r.entries(EventName.TARGET_STUCK)] == [15.0]
+    hooks = r.entries(EventName.HOOK_RUN)
     assert len(hooks) == 1
     assert hooks[0].fields["argv"][0] == "scontrol"  # type: ignore[index]
     assert signals_to(r, "worker-ok") == [(40.0, "SIGTERM")]
@@ -72,7 +73,7 @@ def test_stuck_d_state() -> None:
 def test_nohup_job() -> None:
     r = run("nohup-job")
     assert r.signals() == []
-    assert r.entries("finding.new") == []
+    assert r.entries(EventName.FINDING_NEW) == []
     assert r.scenario.duration == 3600.0
 
 
@@ -80,7 +81,7 @@ def test_container_no_hostpid() -> None:
     r = run("container-no-hostpid")
     assert r.signals() == []
     assert r.resets() == []
-    new = r.entries("finding.new")
+    new = r.entries(EventName.FINDING_NEW)
     assert new
     assert all(e.fields["actionable"] is False for e in new)
 
@@ -96,7 +97,7 @@ def test_protected_dcgm() -> None:
     r = run("protected-dcgm")
     assert signals_to(r, "nv-hostengine") == []
     assert [result for _, _, result in r.resets()] == ["refused"]
-    outcome = r.entries("reset.outcome")[0]
+    outcome = r.entries(EventName.RESET_OUTCOME)[0]
     assert "nv-hostengine" in str(outcome.fields["blockers"])
 
 
@@ -104,9 +105,9 @@ def test_reset_blocked_hidden_holder() -> None:
     r = run("reset-blocked-hidden-holder")
     # Ghost memory is confirmed while nothing holds the GPU, and the reset starts. The probe
     # (a monitor: no context, no memory) never makes it anything but ghost memory.
-    ghost = [e.t for e in r.entries("finding.new") if e.fields["kind"] == "ghost_memory"]
+    ghost = [e.t for e in r.entries(EventName.FINDING_NEW) if e.fields["kind"] == "ghost_memory"]
     assert ghost == [0.0]
-    assert [e.t for e in r.entries("reset.due")] == [120.0, 720.0]
+    assert [e.t for e in r.entries(EventName.RESET_DUE)] == [120.0, 720.0]
     # The probe starts during the drain step, and the final scan refuses, naming it.
     [start] = r.entries("world.start")
     assert (start.t, start.fields["process"], start.fields["during"]) == (
@@ -114,7 +115,7 @@ def test_reset_blocked_hidden_holder() -> None:
         "gpu-probe",
         "drain",
     )
-    first = [e for e in r.entries("reset.step") if e.t == 120.0]
+    first = [e for e in r.entries(EventName.RESET_STEP) if e.t == 120.0]
     assert [(e.fields["step"], e.fields["status"]) for e in first] == [
         ("drain", "ok"),
         ("stop_nvml", "ok"),
@@ -130,19 +131,23 @@ def test_reset_blocked_hidden_holder() -> None:
     assert first[5].fields["blockers"] == [blocker]
     assert first[6].fields["argv"][:3] == ["nvidia-smi", "-pm", "1"]  # type: ignore[index]
     assert "state=resume" in first[8].fields["hooks"][0]  # type: ignore[index]
-    refused = r.entries("reset.outcome")[0]
+    refused = r.entries(EventName.RESET_OUTCOME)[0]
     assert (refused.fields["result"], refused.fields["step"]) == ("refused", "final_scan")
     assert refused.fields["blockers"] == [blocker]
     # While the probe holds the GPU the reset waits for it, naming it; its exit at +5m lifts
     # the refusal, and the cooldown (10m) the refusal started holds the second attempt until
     # +12m, which resets the GPU.
-    waits = [e for e in r.entries("reset.refused") if "monitor pid 2600" in str(e.fields["why"])]
+    waits = [
+        e for e in r.entries(EventName.RESET_REFUSED) if "monitor pid 2600" in str(e.fields["why"])
+    ]
     assert [e.t for e in waits] == [125.0]
-    cleared = r.entries("reset.refusal_cleared")
+    cleared = r.entries(EventName.RESET_REFUSAL_CLEARED)
     assert [(e.t, e.fields["why"]) for e in cleared] == [
         (300.0, "what held the GPU since the refusal has let go")
     ]
-    assert [e.t for e in r.entries("reset.refused") if e.fields["why"] == "cooldown"] == [300.0]
+    assert [e.t for e in r.entries(EventName.RESET_REFUSED) if e.fields["why"] == "cooldown"] == [
+        300.0
+    ]
     assert [(t, result) for t, _, result in r.resets()] == [(120.0, "refused"), (720.0, "success")]
     assert r.signals() == []
     assert r.final["open_findings"] == []
@@ -153,9 +158,9 @@ def test_monitor_beside_ghost() -> None:
     """A monitor never keeps leaked memory from being ghost memory; reset.monitors names it,
     so the reset stops it (SIGTERM, and the wait until it let go) and resets the GPU."""
     r = run("monitor-beside-ghost")
-    found = [(e.t, e.fields["kind"]) for e in r.entries("finding.new")]
+    found = [(e.t, e.fields["kind"]) for e in r.entries(EventName.FINDING_NEW)]
     assert found == [(0.0, "ghost_memory"), (0.0, "hidden_holder")]
-    stop = [e for e in r.entries("reset.step") if e.fields["step"] == "stop_monitors"]
+    stop = [e for e in r.entries(EventName.RESET_STEP) if e.fields["step"] == "stop_monitors"]
     assert [(e.fields["status"], e.fields["monitors"]) for e in stop] == [
         ("ok", ["pid 4100 (python3, unit session-2.scope)"])
     ]
@@ -170,14 +175,14 @@ def test_reset_refused_in_use() -> None:
     the drain hook is not run again for the incident until the memory changes."""
     r = run("reset-refused-in-use")
     assert [(t, result) for t, _, result in r.resets()] == [(60.0, "in_use"), (660.0, "success")]
-    assert r.entries("reset.failed") == []
-    assert r.entries("hook.run") == []  # no on_failure: nothing failed
-    hidden = [e for e in r.entries("finding.new") if e.fields["kind"] == "hidden_holder"]
+    assert r.entries(EventName.RESET_FAILED) == []
+    assert r.entries(EventName.HOOK_RUN) == []  # no on_failure: nothing failed
+    hidden = [e for e in r.entries(EventName.FINDING_NEW) if e.fields["kind"] == "hidden_holder"]
     assert [(e.t, e.fields["pid"], e.fields["actionable"]) for e in hidden] == [(65.0, None, False)]
     assert "unix-socket message" in str(hidden[0].fields["reason"])
-    drains = [e.t for e in r.entries("reset.step") if e.fields["step"] == "drain"]
+    drains = [e.t for e in r.entries(EventName.RESET_STEP) if e.fields["step"] == "drain"]
     assert drains == [60.0, 660.0]  # once for the refused attempt, once after the change
-    [cleared] = r.entries("reset.refusal_cleared")
+    [cleared] = r.entries(EventName.RESET_REFUSAL_CLEARED)
     assert cleared.t == 480.0
     assert "allocated memory changed" in str(cleared.fields["why"])
     assert r.final["open_findings"] == []
@@ -186,10 +191,10 @@ def test_reset_refused_in_use() -> None:
 def test_reset_fails_drain() -> None:
     r = run("reset-fails-drain")
     assert [result for _, _, result in r.resets()] == ["failed"]
-    hooks = r.entries("hook.run")
+    hooks = r.entries(EventName.HOOK_RUN)
     assert len(hooks) == 1
     assert "state=drain" in hooks[0].fields["argv"]  # type: ignore[operator]
-    assert r.entries("reset.limit_reached")
+    assert r.entries(EventName.RESET_LIMIT_REACHED)
 
 
 @pytest.mark.parametrize("path", sorted(SCENARIOS.glob("*.yaml")), ids=lambda p: p.stem)
@@ -210,7 +215,7 @@ def test_stuck_d_state_in_dry_run_runs_no_hook_and_says_it_would() -> None:
         scenario, policy=(source, text.replace("dry_run: false", "dry_run: true"))
     )
     r = simulate(dry)
-    hooks = r.entries("hook.run")
+    hooks = r.entries(EventName.HOOK_RUN)
     assert hooks
     assert all(h.fields["outcome"] == "dry_run" and h.fields["dry_run"] for h in hooks)
     assert all("would run" in h.text for h in hooks)
@@ -223,7 +228,7 @@ def test_leak_before_watch() -> None:
     """Default policy: the likely heir is reported (lost leader named), nobody is signalled."""
     r = run("leak-before-watch")
     assert r.signals() == []
-    new = {(e.fields["kind"], e.fields["pid"]): e for e in r.entries("finding.new")}
+    new = {(e.fields["kind"], e.fields["pid"]): e for e in r.entries(EventName.FINDING_NEW)}
     heir = new[("hidden_holder", 4121)].fields
     assert heir["evidence"]["likely_heir"] is True  # type: ignore[index]
     assert heir["evidence"]["lost_leader"] == 4100  # type: ignore[index]
@@ -237,7 +242,7 @@ def test_leak_before_watch_opt_in() -> None:
     r = run("leak-before-watch-opt-in")
     assert signals_to(r, "loader") == [(30.0, "SIGTERM")]
     assert signals_to(r, "notebook") == []
-    orphan = [e for e in r.entries("finding.new") if e.fields["kind"] == "orphaned"]
+    orphan = [e for e in r.entries(EventName.FINDING_NEW) if e.fields["kind"] == "orphaned"]
     assert [e.fields["evidence"]["tie"] for e in orphan] == ["lost_leader"]  # type: ignore[index]
     assert r.final["gpus"][0]["allocated"] == r.final["gpus"][0]["idle"]  # type: ignore[index]
 
@@ -247,7 +252,7 @@ def test_epilog_ended_job() -> None:
     r = run("epilog-ended-job")
     assert signals_to(r, "helper") == [(10.0, "SIGTERM")]
     assert signals_to(r, "other-trainer") == []
-    (found,) = r.entries("finding.new")
+    (found,) = r.entries(EventName.FINDING_NEW)
     assert (found.fields["kind"], found.fields["evidence"]["job"]) == (  # type: ignore[index]
         "abandoned",
         "slurm:4242",
@@ -259,7 +264,7 @@ def test_spawn_worker_dead_owner() -> None:
     r = run("spawn-worker-dead-owner")
     assert signals_to(r, "fork-worker") == [(50.0, "SIGTERM")]
     assert signals_to(r, "spawn-worker") == []
-    spawn = [e for e in r.entries("finding.new") if e.fields["pid"] == 8120]
+    spawn = [e for e in r.entries(EventName.FINDING_NEW) if e.fields["pid"] == 8120]
     assert [e.fields["kind"] for e in spawn] == ["hidden_holder"]
     assert spawn[0].fields["evidence"]["own_files"] is True  # type: ignore[index]
     assert r.final["gpus"][0]["allocated"] == r.final["gpus"][0]["idle"]  # type: ignore[index]
@@ -270,7 +275,7 @@ def test_torchrun_rank_crash_shared_session() -> None:
     r = run("torchrun-rank-crash-shared-session")
     assert {name for _, name, _, _ in r.signals()} == {"rank-0-loader"}
     assert signals_to(r, "rank-0-loader") == [(50.0, "SIGTERM")]
-    orphan = [e for e in r.entries("finding.new") if e.fields["kind"] == "orphaned"]
+    orphan = [e for e in r.entries(EventName.FINDING_NEW) if e.fields["kind"] == "orphaned"]
     assert [e.fields["evidence"]["tie"] for e in orphan] == ["inherited_files"]  # type: ignore[index]
     assert r.final["gpus"][0]["allocated"] == r.final["gpus"][0]["idle"]  # type: ignore[index]
     scenario = r.scenario
@@ -293,7 +298,7 @@ def test_persistenced_one_gpu() -> None:
 
 
 def hook_names(result: SimulationResult) -> list[tuple[float, object]]:
-    return [(e.t, e.fields.get("hook")) for e in result.entries("hook.run")]
+    return [(e.t, e.fields.get("hook")) for e in result.entries(EventName.HOOK_RUN)]
 
 
 def assert_reset_once_after_its_drain(r: SimulationResult, *, at: float) -> None:
@@ -307,7 +312,7 @@ def assert_reset_once_after_its_drain(r: SimulationResult, *, at: float) -> None
 
 def test_xid_95_reset() -> None:
     r = run("xid-95-reset")
-    assert [e.fields["kind"] for e in r.entries("finding.new")] == ["reset_required"]
+    assert [e.fields["kind"] for e in r.entries(EventName.FINDING_NEW)] == ["reset_required"]
     assert_reset_once_after_its_drain(r, at=30.0)
 
 
@@ -315,7 +320,7 @@ def test_xid_79_reboot() -> None:
     r = run("xid-79-reboot")
     assert r.resets() == []
     assert r.signals() == []
-    assert [e.t for e in r.entries("gpu.needs_reboot")] == [20.0]
+    assert [e.t for e in r.entries(EventName.GPU_NEEDS_REBOOT)] == [20.0]
     assert hook_names(r) == [(20.0, "on_failure"), (20.0, "reset_drain")]
     assert r.final["open_findings"] == [
         "reboot_required:GPU-00000001-0000-4000-8000-000000000001:gpu"
@@ -325,7 +330,7 @@ def test_xid_79_reboot() -> None:
 def test_xid_154_drain_and_reset() -> None:
     r = run("xid-154-drain-and-reset")
     assert signals_to(r, "job") == []
-    (started,) = r.entries("health.drain_started")
+    (started,) = r.entries(EventName.HEALTH_DRAIN_STARTED)
     assert started.t == 60.0
     assert hook_names(r) == [(60.0, "reset_drain")]
     assert [(t, result) for t, _, result in r.resets()] == [(300.0, "success")]
@@ -335,7 +340,7 @@ def test_xid_154_drain_and_reset() -> None:
 def test_pending_row_remap_unisolated() -> None:
     r = run("pending-row-remap-unisolated")
     assert signals_to(r, "job") == []
-    waiting = r.entries("health.drain_waiting")
+    waiting = r.entries(EventName.HEALTH_DRAIN_WAITING)
     assert waiting
     assert "no device isolation" in str(waiting[0].fields["blockers"])
     assert [(t, result) for t, _, result in r.resets()] == [(1200.0, "success")]
@@ -357,15 +362,15 @@ def test_pending_row_remap_with_device_isolation_resets_at_once() -> None:
 
 def test_xid_13_application() -> None:
     r = run("xid-13-application")
-    assert r.entries("finding.new") == []
-    assert r.entries("hook.run") == []
+    assert r.entries(EventName.FINDING_NEW) == []
+    assert r.entries(EventName.HOOK_RUN) == []
     assert r.resets() == []
     assert r.signals() == []
 
 
 def test_xid_48_solo_idle() -> None:
     r = run("xid-48-solo-idle")
-    (new,) = r.entries("finding.new")
+    (new,) = r.entries(EventName.FINDING_NEW)
     assert new.fields["kind"] == "reset_required"
     assert "solo: NVIDIA: reset the GPU" in str(new.fields["reason"])
     assert new.fields["evidence"]["recovery_action_support"] == "not_supported"  # type: ignore[index]
@@ -375,8 +380,8 @@ def test_xid_48_solo_idle() -> None:
 def test_xid_94_two_jobs() -> None:
     r = run("xid-94-two-jobs")
     assert [e.t for e in r.entries("world.xid")] == [60.0]
-    assert r.entries("finding.new") == []
-    assert r.entries("hook.run") == []
+    assert r.entries(EventName.FINDING_NEW) == []
+    assert r.entries(EventName.HOOK_RUN) == []
     assert r.resets() == []
     assert r.signals() == []
     statuses = {p["name"]: p["status"] for p in r.final["processes"]}  # type: ignore[attr-defined]
@@ -390,7 +395,7 @@ def test_xid_94_two_jobs_with_the_stricter_peer_choice_drains_only() -> None:
         scenario, policy=(policy_file, text + "  health: {xid_94: drain}\n")
     )
     r = simulate(strict)
-    assert [e.fields["kind"] for e in r.entries("finding.new")] == ["drain_required"]
+    assert [e.fields["kind"] for e in r.entries(EventName.FINDING_NEW)] == ["drain_required"]
     assert hook_names(r) == [(60.0, "reset_drain")]
     assert r.resets() == []
     assert r.signals() == []
@@ -398,9 +403,9 @@ def test_xid_94_two_jobs_with_the_stricter_peer_choice_drains_only() -> None:
 
 def test_drain_p2p_settles_to_reset() -> None:
     r = run("drain-p2p-settles-to-reset")
-    kinds = [(e.t, e.fields["kind"]) for e in r.entries("finding.new")]
+    kinds = [(e.t, e.fields["kind"]) for e in r.entries(EventName.FINDING_NEW)]
     assert kinds == [(60.0, "drain_required"), (240.0, "reset_required")]
-    assert "read the field again" in str(r.entries("finding.new")[0].fields["reason"])
+    assert "read the field again" in str(r.entries(EventName.FINDING_NEW)[0].fields["reason"])
     assert signals_to(r, "job") == []
     assert [(t, result) for t, _, result in r.resets()] == [(240.0, "success")]
     assert r.final["open_findings"] == []
@@ -410,19 +415,19 @@ def test_drain_p2p_settles_to_reset() -> None:
 
 def test_fabric_stuck_after_reset() -> None:
     r = run("fabric-stuck-after-reset")
-    steps = [(e.t, e.fields["status"]) for e in r.entries("reset.step")
+    steps = [(e.t, e.fields["status"]) for e in r.entries(EventName.RESET_STEP)
              if str(e.fields["status"]).startswith("fabric")]  # fmt: skip
     assert steps == [(30.0, "fabric_waiting"), (150.0, "fabric_stuck")]
     ((t, _, result),) = r.resets()
     assert (t, result) == (150.0, "failed")
-    (outcome,) = r.entries("reset.outcome")
+    (outcome,) = r.entries(EventName.RESET_OUTCOME)
     assert "Fabric Manager" in str(outcome.fields["reason"])
     assert "never restarts it" in str(outcome.fields["reason"])
     # The after hook (the undrain) ran only once the wait was over, and learned the failure.
-    after = [e for e in r.entries("reset.step") if e.fields["step"] == "after_hooks"]
+    after = [e for e in r.entries(EventName.RESET_STEP) if e.fields["step"] == "after_hooks"]
     assert [e.t for e in after] == [150.0]
     assert hook_names(r) == [(30.0, "reset_drain"), (150.0, "on_failure")]
-    assert r.entries("reset.limit_reached")  # one reset a day: never a second attempt
+    assert r.entries(EventName.RESET_LIMIT_REACHED)  # one reset a day: never a second attempt
     assert r.final["open_findings"] == [
         "reset_required:GPU-00000000-0000-4000-8000-000000000000:gpu"
     ]
@@ -436,7 +441,7 @@ def test_fabric_that_settles_lets_the_reset_succeed_after_the_wait() -> None:
         scenario, gpus=(dataclasses.replace(gpu0, health=settles), *scenario.gpus[1:])
     )
     r = simulate(healthy)
-    steps = [(e.t, e.fields["status"]) for e in r.entries("reset.step")
+    steps = [(e.t, e.fields["status"]) for e in r.entries(EventName.RESET_STEP)
              if str(e.fields["status"]).startswith("fabric")]  # fmt: skip
     assert steps == [(30.0, "fabric_waiting"), (50.0, "fabric_completed")]
     assert [(t, result) for t, _, result in r.resets()] == [(50.0, "success")]
@@ -445,13 +450,13 @@ def test_fabric_that_settles_lets_the_reset_succeed_after_the_wait() -> None:
 
 def test_recovery_action_unknown() -> None:
     r = run("recovery-action-unknown")
-    (new,) = r.entries("finding.new")
+    (new,) = r.entries(EventName.FINDING_NEW)
     assert new.fields["kind"] == "drain_required"
     assert new.fields["actionable"] is False
     assert "unknown (9)" in str(new.fields["reason"])
-    (said,) = r.entries("action.refused")
+    (said,) = r.entries(EventName.ACTION_REFUSED)
     assert said.level == "warning"
-    assert r.entries("hook.run") == []
+    assert r.entries(EventName.HOOK_RUN) == []
     assert r.resets() == []
     assert r.final["open_findings"] == [
         "drain_required:GPU-00000000-0000-4000-8000-000000000000:gpu"
@@ -462,7 +467,7 @@ def test_mig_notebook_kernel_died() -> None:
     r = run("mig-notebook-kernel-died")
     assert signals_to(r, "loader-alice") == [(50.0, "SIGTERM")]
     assert {name for _, name, _, _ in r.signals()} == {"loader-alice"}
-    orphans = [e for e in r.entries("finding.new") if e.fields.get("kind") == "orphaned"]
+    orphans = [e for e in r.entries(EventName.FINDING_NEW) if e.fields.get("kind") == "orphaned"]
     assert [e.fields.get("gpu") for e in orphans] == ["MIG-00000000-0001-4000-8000-000000000001"]
     assert r.final["open_findings"] == []
     assert r.resets() == []
@@ -474,7 +479,7 @@ def test_mig_leak_beside_live_job() -> None:
     assert signals_to(r, "loader-carol-1") == [(60.0, "SIGTERM"), (90.0, "SIGKILL")]
     assert {name for _, name, _, _ in r.signals()} == {"loader-carol-0", "loader-carol-1"}
     assert r.resets() == []
-    parent_only = [e for e in r.entries("finding.new") if e.fields.get("pid") == 5190]
+    parent_only = [e for e in r.entries(EventName.FINDING_NEW) if e.fields.get("pid") == 5190]
     assert [(e.fields.get("kind"), e.fields.get("actionable")) for e in parent_only] == [
         ("hidden_holder", False)
     ]
@@ -484,10 +489,10 @@ def test_mig_ghost_instance_recovery() -> None:
     r = run("mig-ghost-instance-recovery")
     gpu = "GPU-00000000-0000-4000-8000-000000000000"
     assert r.resets() == [(120.0, gpu, "success")]  # after confirm_for, once
-    (outcome,) = r.entries("reset.outcome")
+    (outcome,) = r.entries(EventName.RESET_OUTCOME)
     assert outcome.fields["instance"] == "MIG-00000000-0001-4000-8000-000000000001"
     assert outcome.fields["gi"] == 1
-    steps = [e.fields for e in r.entries("reset.step") if e.fields["step"] == "reset"]
+    steps = [e.fields for e in r.entries(EventName.RESET_STEP) if e.fields["step"] == "reset"]
     commands = [f["argv"] for f in steps if "argv" in f]
     assert [f["status"] for f in steps if "argv" not in f] == ["as_planned", "as_planned"]
     assert [c[4:] for c in commands] == [  # type: ignore[index]
@@ -509,7 +514,7 @@ def test_mig_ghost_instance_is_only_reported_without_mig_recovery(tmp_path: Path
     scenario = load_scenario(str(SCENARIOS / "mig-ghost-instance-recovery.yaml"))
     r = simulate(scenario, str(config))
     assert r.resets() == []
-    refused = [e.fields["why"] for e in r.entries("reset.refused")]
+    refused = [e.fields["why"] for e in r.entries(EventName.RESET_REFUSED)]
     assert refused == [
         "a MIG instance of GPU 0: no GPU reset of an instance (reset.mig_recovery is off)"
     ]
@@ -518,8 +523,8 @@ def test_mig_ghost_instance_is_only_reported_without_mig_recovery(tmp_path: Path
 def test_spared_orphan_debugging() -> None:
     r = run("spared-orphan-debugging")
     assert signals_to(r, "worker") == [(130.0, "SIGTERM")]  # not before its spare ends
-    assert [e.t for e in r.entries("spare.started")] == [10.0]
-    assert [(e.t, e.fields.get("why")) for e in r.entries("spare.ended")] == [
+    assert [e.t for e in r.entries(EventName.SPARE_STARTED)] == [10.0]
+    assert [(e.t, e.fields.get("why")) for e in r.entries(EventName.SPARE_ENDED)] == [
         (130.0, "its time was up")
     ]
     assert r.final["open_findings"] == []
@@ -533,10 +538,12 @@ def test_mig_gpu_reset_layout() -> None:
     gpu = "GPU-00000000-0000-4000-8000-000000000000"
     assert r.resets() == [(300.0, gpu, "success")]
     assert r.signals() == []
-    checks = [e.fields for e in r.entries("reset.step") if e.fields["step"] == "health_check"]
+    checks = [
+        e.fields for e in r.entries(EventName.RESET_STEP) if e.fields["step"] == "health_check"
+    ]
     created = [f["argv"][4:] for f in checks if "-cgi" in f.get("argv", [])]  # type: ignore[index,operator]
     assert created == [["-cgi", "19:1", "-C"], ["-cgi", "9:2", "-C"]]
-    (due,) = r.entries("reset.due")
+    (due,) = r.entries(EventName.RESET_DUE)
     assert due.fields["mig_layout"] == [
         "MIG GPU instance 1 of GPU 0 (GI profile 19, placement 1:1)",
         "MIG GPU instance 2 of GPU 0 (GI profile 9, placement 2:1)",

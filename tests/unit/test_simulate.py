@@ -200,7 +200,7 @@ def test_worker_ignoring_sigterm_gets_sigkill_when_the_wait_ends() -> None:
 
 def test_exit_after_a_delay_is_seen_at_once_not_at_the_next_poll() -> None:
     r = simulate(parse_scenario("s.yaml", scenario(sigterm="exit_after 2500ms")))
-    exits = r.entries("target.exited")
+    exits = r.entries(EventName.TARGET_EXITED)
     assert [e.t for e in exits] == [42.5]
     assert [s for _, _, s, _ in r.signals()] == ["SIGTERM"]
 
@@ -248,7 +248,7 @@ def test_cli_text_and_json(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture
     assert main(["simulate", str(path), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["dry_run"] is False
-    assert any(e["event"] == "action.signal" and e["t"] == 40.0 for e in doc["timeline"])
+    assert any(e["event"] == EventName.ACTION_SIGNAL and e["t"] == 40.0 for e in doc["timeline"])
 
 
 def test_the_json_gives_the_interval_the_run_polled_at_as_the_header_does() -> None:
@@ -316,12 +316,12 @@ def test_the_real_reset_procedure_reads_each_scripted_nvidia_smi_answer(
     scripted: str, result: str, at: float, needs_reboot: bool, reason: str
 ) -> None:
     r = simulate(parse_scenario("s.yaml", ghost(scripted)))
-    [outcome] = r.entries("reset.outcome")
+    [outcome] = r.entries(EventName.RESET_OUTCOME)
     assert (outcome.t, outcome.fields["result"]) == (at, result)
     assert outcome.fields["needs_reboot"] is needs_reboot
     assert reason in str(outcome.fields["reason"])
     assert r.final["gpus"][0]["lost"] is (scripted == "fell_off_bus")  # type: ignore[index]
-    [command] = [e for e in r.entries("reset.step") if e.fields["step"] == "reset"]
+    [command] = [e for e in r.entries(EventName.RESET_STEP) if e.fields["step"] == "reset"]
     assert command.fields["argv"] == [
         "/nonexistent/nvidia-smi",
         "--gpu-reset",
@@ -329,7 +329,7 @@ def test_the_real_reset_procedure_reads_each_scripted_nvidia_smi_answer(
         r.scenario.gpus[0].uuid,
     ]
     # The undo and the after hooks run whatever the result.
-    steps = [e.fields["step"] for e in r.entries("reset.step")]
+    steps = [e.fields["step"] for e in r.entries(EventName.RESET_STEP)]
     assert steps[-3:] == ["persistence_on", "start_monitors", "after_hooks"]
     freed = r.final["gpus"][0]["allocated"] == r.final["gpus"][0]["idle"]  # type: ignore[index]
     assert freed is (result == "success")
@@ -340,20 +340,20 @@ def test_a_before_hook_stops_the_processes_that_stop_for_a_reset() -> None:
     [exit_] = r.entries("world.exit")
     assert exit_.t == 60.0
     assert "stopped by the reset's before hook" in exit_.text
-    [scan] = [e for e in r.entries("reset.step") if e.fields["step"] == "final_scan"]
+    [scan] = [e for e in r.entries(EventName.RESET_STEP) if e.fields["step"] == "final_scan"]
     assert scan.fields["status"] == "clear"
     assert r.resets()[0][2] == "success"
 
 
 def test_a_dry_run_reset_runs_nothing_but_still_scans_for_holders() -> None:
     r = simulate(parse_scenario("s.yaml", ghost(dry="true")))
-    outcome = r.entries("reset.outcome")[0]
+    outcome = r.entries(EventName.RESET_OUTCOME)[0]
     assert outcome.fields["result"] == "dry_run"
     # dry-run: no hook ran, so DCGM was never stopped, and the scan says a real reset would fail.
     assert "would be refused" in str(outcome.fields["reason"])
     assert "nv-hostengine" in str(outcome.fields["blockers"])
     assert r.entries("world.exit") == []
-    statuses = {e.fields["status"] for e in r.entries("reset.step")}
+    statuses = {e.fields["status"] for e in r.entries(EventName.RESET_STEP)}
     assert statuses <= {"would_run", "blocked", "skipped"}
     assert r.final["gpus"][0]["allocated"] > r.final["gpus"][0]["idle"]  # type: ignore[index]
 
@@ -369,7 +369,7 @@ def test_a_during_event_happens_once_at_that_reset_step() -> None:
     assert memory.fields["during"] == "persistence_off"
     assert "(during the reset's persistence_off step)" in memory.text
     names = [e.name for e in r.timeline if e.t == 60.0]
-    assert names.index("world.memory") < names.index("reset.outcome")
+    assert names.index("world.memory") < names.index(EventName.RESET_OUTCOME)
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.sim.scenario import parse_scenario
 from gpuwatchd.sim.scenario_spec import ScenarioError
 from gpuwatchd.sim.simulation import simulate
@@ -42,13 +43,13 @@ def test_without_a_spare_the_orphan_is_stopped_after_its_confirmation() -> None:
 def test_a_job_spare_holds_every_process_of_the_job_until_it_ends() -> None:
     r = play('{at: 5s, spare: {job: "42", for: 100s, reason: bench}}')
     assert sigterms(r) == [105.0]
-    (started,) = r.entries("spare.started")
+    (started,) = r.entries(EventName.SPARE_STARTED)
     assert (started.fields["target"], started.fields["reason"]) == ("job:slurm:42", "bench")
 
 
 def test_a_process_spare_given_after_it_exited_spares_nobody() -> None:
     r = play("{at: 5s, exit: worker}", "{at: 6s, spare: {process: worker, for: 1h, reason: x}}")
-    assert r.entries("spare.started") == []
+    assert r.entries(EventName.SPARE_STARTED) == []
 
 
 def test_a_later_spare_of_the_same_target_replaces_the_first() -> None:
@@ -57,7 +58,7 @@ def test_a_later_spare_of_the_same_target_replaces_the_first() -> None:
         "{at: 30s, spare: {process: worker, for: 60s, reason: longer}}",
     )
     assert sigterms(r) == [90.0]
-    assert [e.fields.get("why") for e in r.entries("spare.ended")] == [
+    assert [e.fields.get("why") for e in r.entries(EventName.SPARE_ENDED)] == [
         "replaced by a new spare",
         "its time was up",
     ]

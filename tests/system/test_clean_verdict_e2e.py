@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from gpuwatchd.core.vocabulary import EventName
 from tests.support.daemonrun import (
     ORPHAN_RULE,
     SLURM_SCOPE,
@@ -64,7 +65,7 @@ def host_monitor_client(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         )
         run = Run(host)
         run.start()
-        assert run.wait_for(lambda: run.saw("daemon.start")), "the daemon did not start"
+        assert run.wait_for(lambda: run.saw(EventName.DAEMON_START)), "the daemon did not start"
         assert run.wait_for((host.state_dir / "holders.json").exists, timeout=10)
         beside = _checks(host, run.config)
         beside_scan = host.scan_json(run.config)
@@ -118,7 +119,7 @@ def host_epilog_waits_for_the_driver(arg: dict[str, Any], root: Path) -> dict[st
         if arg["daemon"]:
             run = Run(host)
             run.start()
-            assert run.wait_for(lambda: run.saw("daemon.start")), "the daemon did not start"
+            assert run.wait_for(lambda: run.saw(EventName.DAEMON_START)), "the daemon did not start"
             config = run.config
         else:
             config = host.config(
@@ -185,7 +186,9 @@ def host_hand_over_is_for_its_epilog_only(arg: dict[str, Any], root: Path) -> di
         host.nvml([gpu(0), gpu(1)])
         daemon = Run(host, dry_run=True, rules=[ENDED_JOBS_RULE])
         daemon.start()
-        assert daemon.wait_for(lambda: daemon.saw("daemon.start")), "the daemon did not start"
+        assert daemon.wait_for(lambda: daemon.saw(EventName.DAEMON_START)), (
+            "the daemon did not start"
+        )
         argv = ["run", "--once", "--ended-job", "slurm:42", "--timeout", "60s"]
         epilog42 = subprocess.Popen(
             [sys.executable, "-m", "gpuwatchd", *argv, "--config", str(daemon.config)],
@@ -193,7 +196,7 @@ def host_hand_over_is_for_its_epilog_only(arg: dict[str, Any], root: Path) -> di
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        taken = daemon.wait_for(lambda: daemon.saw("scheduler.ended_job", job="slurm:42"))
+        taken = daemon.wait_for(lambda: daemon.saw(EventName.SCHEDULER_ENDED_JOB, job="slurm:42"))
         epilog42.kill()
         epilog42.wait()
         left_behind = sorted(p.name for p in host.state_dir.glob("ended-job-*"))
@@ -232,9 +235,9 @@ def test_a_hand_over_is_taken_only_for_the_job_and_the_epilog_it_names(
     assert len(result["left_behind"]) == 1  # a killed epilog cannot withdraw it
     output = result["once43_output"]
     events = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
-    taken = [e.get("job") for e in events if e.get("event") == "scheduler.ended_job"]
+    taken = [e.get("job") for e in events if e.get("event") == EventName.SCHEDULER_ENDED_JOB]
     assert taken == [], output  # job 42's hand-over is not job 43's
-    assert not [e for e in events if e.get("event") == "action.signal"], output
+    assert not [e for e in events if e.get("event") == EventName.ACTION_SIGNAL], output
     assert result["task42_alive"] is True  # the requeued job 42 runs on
     assert result["once43_code"] == 0, output
     assert result["files_after"] == []  # job 43's run found job 42's epilog gone: removed
@@ -250,7 +253,7 @@ def host_epilog_goes_on_when_the_daemon_stops(arg: dict[str, Any], root: Path) -
         host.free_when_gone(["worker"], [gpu(0)], delay=0.5)
         run = Run(host, rules=[{**ORPHAN_RULE, "for": "10s"}])
         run.start()
-        assert run.wait_for(lambda: run.saw("finding.new", kind="orphaned")), "no finding"
+        assert run.wait_for(lambda: run.saw(EventName.FINDING_NEW, kind="orphaned")), "no finding"
         said = root / "epilog.out"
         with said.open("w") as out:
             epilog = subprocess.Popen(
@@ -266,7 +269,7 @@ def host_epilog_goes_on_when_the_daemon_stops(arg: dict[str, Any], root: Path) -
         stopped = run.stop()
         epilog.wait(timeout=60)
         output = said.read_text()
-        daemon_signalled = run.saw("action.signal")
+        daemon_signalled = run.saw(EventName.ACTION_SIGNAL)
         return {
             "stopped": stopped,
             "code": epilog.returncode,

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from gpuwatchd.core.vocabulary import EventName
 from tests.support.daemonrun import ORPHAN_RULE, Run, orphan_host
 from tests.support.fakenvml import GiB, MiB, gpu, process
 from tests.support.simhost import (
@@ -109,7 +110,7 @@ def host_beside_daemon(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         run = Run(host, dry_run=arg["dry_run"])
         slurm = Slurm(host, run.config)
         run.start()
-        assert run.wait_for(lambda: run.saw("daemon.start")), "the daemon did not start"
+        assert run.wait_for(lambda: run.saw(EventName.DAEMON_START)), "the daemon did not start"
         driver = threading.Thread(target=_free_when_gone, args=(host, "worker"), daemon=True)
         driver.start()
         out: dict[str, Any] = {"uuid0": host.scan_json(run.config)["gpus"][0]["uuid"]}
@@ -134,7 +135,7 @@ def host_bad_drop_in(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         slurm = Slurm(host, run.config)
         out: dict[str, Any] = {"uuid0": host.scan_json(run.config)["gpus"][0]["uuid"]}
         run.start()
-        assert run.wait_for(lambda: run.saw("daemon.start")), "the daemon did not start"
+        assert run.wait_for(lambda: run.saw(EventName.DAEMON_START)), "the daemon did not start"
         run.stop()
         conf_d = run.config.parent / "conf.d"
         conf_d.mkdir(exist_ok=True)
@@ -639,7 +640,7 @@ def host_idle_beside_daemon(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         run = Run(host)
         slurm = Slurm(host, run.config)
         run.start()
-        assert run.wait_for(lambda: run.saw("daemon.start")), "the daemon did not start"
+        assert run.wait_for(lambda: run.saw(EventName.DAEMON_START)), "the daemon did not start"
         assert run.proc is not None
         devices = str(host.devices_dir)
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from gpuwatchd.core.vocabulary import EventName
 from tests.support.daemonrun import Run
 from tests.support.fakenvml import gpu
 from tests.support.simhost import (
@@ -48,23 +49,25 @@ def host_reload_and_rejected_start(arg: dict[str, Any], root: Path) -> dict[str,
         out["first_start"] = _result(host.gpuwatchd("run", *config, timeout=30))
         (conf_d / "90-broken.yaml").unlink()
         run.start()
-        assert run.wait_for(lambda: run.saw("daemon.start")), "the daemon did not start"
+        assert run.wait_for(lambda: run.saw(EventName.DAEMON_START)), "the daemon did not start"
         (conf_d / "50-site.yaml").write_text("interval: 300ms\n")
         out["reload"] = _result(host.gpuwatchd("reload", *config))
-        out["reloaded"] = run.wait_for(lambda: run.saw("config.reloaded"))
-        out["reloaded_event"] = next(e for e in run.events() if e.get("event") == "config.reloaded")
+        out["reloaded"] = run.wait_for(lambda: run.saw(EventName.CONFIG_RELOADED))
+        out["reloaded_event"] = next(
+            e for e in run.events() if e.get("event") == EventName.CONFIG_RELOADED
+        )
         (conf_d / "90-broken.yaml").write_text("interval: sometimes\n")
         out["broken"] = _result(host.gpuwatchd("reload", *config))
         run.wait_for(lambda: False, timeout=1.0)
-        out["rejected_by_daemon"] = run.saw("config.reload_rejected")
+        out["rejected_by_daemon"] = run.saw(EventName.CONFIG_RELOAD_REJECTED)
         out["stopped"] = run.stop()
         # Restart (as after a reboot) with the broken drop-in still there.
         run.start()
         out["running"] = run.wait_for(
-            lambda: sum(1 for e in run.events() if e.get("event") == "daemon.start") >= 2
+            lambda: sum(1 for e in run.events() if e.get("event") == EventName.DAEMON_START) >= 2
         )
         out["start_rejected"] = [
-            e for e in run.events() if e.get("event") == "config.start_rejected"
+            e for e in run.events() if e.get("event") == EventName.CONFIG_START_REJECTED
         ]
         status = host.gpuwatchd("status", "--json", *config)
         out["status_code"] = status.returncode
@@ -76,7 +79,7 @@ def host_reload_and_rejected_start(arg: dict[str, Any], root: Path) -> dict[str,
         (conf_d / "90-broken.yaml").unlink()
         out["fixed"] = _result(host.gpuwatchd("reload", *config))
         out["reloaded_after_fix"] = run.wait_for(
-            lambda: sum(1 for e in run.events() if e.get("event") == "config.reloaded") >= 2
+            lambda: sum(1 for e in run.events() if e.get("event") == EventName.CONFIG_RELOADED) >= 2
         )
         run.stop()
         return out
@@ -132,12 +135,12 @@ def host_files_rejected_while_running(arg: dict[str, Any], root: Path) -> dict[s
         conf_d.mkdir(exist_ok=True)
         config = ["--config", str(run.config)]
         run.start()
-        assert run.wait_for(lambda: run.saw("daemon.start")), "the daemon did not start"
+        assert run.wait_for(lambda: run.saw(EventName.DAEMON_START)), "the daemon did not start"
         out: dict[str, Any] = {}
         out["status_before"] = host.gpuwatchd("status", "--json", *config).returncode
         (conf_d / "90-typo.yaml").write_text("interval: sometimes\n")
         out["reload"] = _result(host.gpuwatchd("reload", *config))  # refused: no signal
-        out["said"] = run.wait_for(lambda: run.saw("config.files_rejected"))
+        out["said"] = run.wait_for(lambda: run.saw(EventName.CONFIG_FILES_REJECTED))
         run.wait_for(lambda: metrics.exists() and "policy_rejected 1" in metrics.read_text())
         out["metrics"] = metrics.read_text() if metrics.exists() else ""
         out["alive"] = run.proc is not None and run.proc.poll() is None
@@ -149,7 +152,7 @@ def host_files_rejected_while_running(arg: dict[str, Any], root: Path) -> dict[s
         run.wait_for(lambda: metrics.exists() and "policy_rejected 0" in metrics.read_text())
         out["metrics_fixed"] = metrics.read_text() if metrics.exists() else ""
         out["status_fixed"] = host.gpuwatchd("status", "--json", *config).returncode
-        out["reload_rejected"] = run.saw("config.reload_rejected")
+        out["reload_rejected"] = run.saw(EventName.CONFIG_RELOAD_REJECTED)
         run.stop()
         return out
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from gpuwatchd.core.vocabulary import EventName
 from tests.support.daemonrun import ORPHAN_RULE, Run, orphan_host
 from tests.support.fakenvml import MiB, gpu, process
 from tests.support.simhost import (
@@ -87,25 +88,27 @@ def host_clock_steps(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         out["spare_cli"] = (spared.returncode, spared.stderr)
         files = _spare_files(host)
         run.start(env=env)
-        out["started"] = run.wait_for(lambda: run.saw("spare.started"), timeout=30)
+        out["started"] = run.wait_for(lambda: run.saw(EventName.SPARE_STARTED), timeout=30)
         for name, to in (("back", "-120"), ("forward", "+172800")):
             step(to)
             out[name] = {
                 "alive": host.alive(worker),
                 "files_kept": _spare_files(host) == files,
-                "ended": [e.get("why") for e in run.events() if e.get("event") == "spare.ended"],
+                "ended": [
+                    e.get("why") for e in run.events() if e.get("event") == EventName.SPARE_ENDED
+                ],
             }
         step("+0")
         paused = host.gpuwatchd("pause", "--for", "1h", "--reason", "swap", "--config", config)
         out["pause_cli"] = paused.returncode
-        out["paused"] = run.wait_for(lambda: run.saw("daemon.paused"), timeout=30)
+        out["paused"] = run.wait_for(lambda: run.saw(EventName.DAEMON_PAUSED), timeout=30)
         step("+7200")
-        out["resumed_forward"] = run.saw("daemon.resumed")
+        out["resumed_forward"] = run.saw(EventName.DAEMON_RESUMED)
         step("-600")
-        out["resumed_back"] = run.saw("daemon.resumed")
+        out["resumed_back"] = run.saw(EventName.DAEMON_RESUMED)
         run.reload_with("50-short.yaml", "limits:\n  max_spare: 1h\n")
-        run.wait_for(lambda: run.saw("spare.cut"), timeout=30)
-        out["cut"] = [e for e in run.events() if e.get("event") == "spare.cut"]
+        run.wait_for(lambda: run.saw(EventName.SPARE_CUT), timeout=30)
+        out["cut"] = [e for e in run.events() if e.get("event") == EventName.SPARE_CUT]
         out["alive_after_cut"] = host.alive(worker)
         out["files_after_cut"] = _spare_files(host)
         host.gpuwatchd("resume", "--config", config)
@@ -113,10 +116,11 @@ def host_clock_steps(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         run.wait_for(lambda: not host.alive(worker), timeout=30)
         out["alive_at_the_end"] = host.alive(worker)
         out["files"] = files
-        out["stepped_back"] = run.saw("clock.stepped_back")  # the daemon's wall clock did step
+        # the daemon's wall clock did step
+        out["stepped_back"] = run.saw(EventName.CLOCK_STEPPED_BACK)
         out["counts"] = {
             name: sum(1 for e in run.events() if e.get("event") == name)
-            for name in ("spare.started", "daemon.paused")
+            for name in (EventName.SPARE_STARTED, EventName.DAEMON_PAUSED)
         }
         run.stop()
     return out
@@ -140,8 +144,8 @@ def test_wall_clock_steps_neither_end_nor_drop_a_spare_or_a_pause(tmp_path: Path
     assert r["stepped_back"] is True
     # Said once each, not at every poll while the wall end moves: the spare once; the pause
     # when set and when each step moved its wall end.
-    assert r["counts"]["spare.started"] == 1
-    assert r["counts"]["daemon.paused"] <= 3
+    assert r["counts"][EventName.SPARE_STARTED] == 1
+    assert r["counts"][EventName.DAEMON_PAUSED] <= 3
 
 
 def host_latch_steps(arg: dict[str, Any], root: Path) -> dict[str, Any]:
@@ -158,13 +162,18 @@ def host_latch_steps(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         limits = {"post_action_delay": "0s", "max_signalled_per_poll": 1, "kill_cap_latch": "1h"}
         run = Run(host, rules=[ORPHAN_RULE], limits=limits)
         run.start(env=env)
-        out["latched"] = run.wait_for(lambda: run.saw("limits.kill_cap_reached"), timeout=30)
+        out["latched"] = run.wait_for(
+            lambda: run.saw(EventName.LIMITS_KILL_CAP_REACHED), timeout=30
+        )
         workers = [pids["worker-1"], pids["worker-2"]]
         run.wait_for(lambda: sum(host.alive(w) for w in workers) == 1, timeout=30)
         (held,) = [w for w in workers if host.alive(w)]
         for name, to in (("forward", "+7200"), ("back", "-600")):
             step(to)
-            out[name] = {"alive": host.alive(held), "expired": run.saw("limits.kill_cap_expired")}
+            out[name] = {
+                "alive": host.alive(held),
+                "expired": run.saw(EventName.LIMITS_KILL_CAP_EXPIRED),
+            }
         cleared = host.gpuwatchd("resume", "--clear-latches", "--config", str(run.config))
         out["clear_cli"] = cleared.returncode
         run.wait_for(lambda: not host.alive(held), timeout=30)

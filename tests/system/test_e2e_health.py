@@ -37,15 +37,15 @@ SCENARIOS = Path(__file__).resolve().parents[2] / "examples" / "scenarios"
 HEALTH_KINDS = ("reset_required", "reboot_required", "drain_required")
 # The decisions compared between the daemon and simulate, in order.
 DECISIONS = (
-    "finding.new",
-    "health.drain_started",
-    "health.drain_waiting",
-    "health.drain_timed_out",
-    "reset.due",
-    "reset.outcome",
-    "gpu.needs_reboot",
-    "finding.resolved",
-    "action.signal",
+    EventName.FINDING_NEW,
+    EventName.HEALTH_DRAIN_STARTED,
+    EventName.HEALTH_DRAIN_WAITING,
+    EventName.HEALTH_DRAIN_TIMED_OUT,
+    EventName.RESET_DUE,
+    EventName.RESET_OUTCOME,
+    EventName.GPU_NEEDS_REBOOT,
+    EventName.FINDING_RESOLVED,
+    EventName.ACTION_SIGNAL,
 )
 
 
@@ -57,14 +57,15 @@ def decisions(events: list[dict[str, Any]]) -> list[tuple[str, object]]:
         if name not in DECISIONS:
             continue
         finding = str(e.get("finding") or "")
-        if name in ("finding.new", "finding.resolved") and not finding.startswith(HEALTH_KINDS):
+        findings = (EventName.FINDING_NEW, EventName.FINDING_RESOLVED)
+        if name in findings and not finding.startswith(HEALTH_KINDS):
             continue
         detail = (
             e.get("result")
-            if name == "reset.outcome"
+            if name == EventName.RESET_OUTCOME
             else finding.split(":", maxsplit=1)[0] or None
         )
-        if name == "health.drain_waiting" and found and found[-1] == (name, detail):
+        if name == EventName.HEALTH_DRAIN_WAITING and found and found[-1] == (name, detail):
             # Said again when the blockers change: on a real host the job's exit and NVML's
             # listing change a poll apart, in a scenario at the same instant.
             continue
@@ -101,14 +102,14 @@ def start_then_xid(
     """Start the daemon and let it poll a second; then NVML lists ``gpus`` and reports Xid
     ``xid`` on GPU ``on`` (its event id ``name``, else ``x<xid>``)."""
     run.start()
-    run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
+    run.wait_for(lambda: run.saw(EventName.DAEMON_START), timeout=30)
     time.sleep(1)
     host.nvml(gpus, events=[{"id": name or f"x{xid}", "gpu": on, "type": 8, "data": xid}])
 
 
 def resolved_then_stop(run: Run) -> None:
     """Wait for the finding to be resolved, let five more polls pass, stop the daemon."""
-    run.wait_for(lambda: run.saw("finding.resolved"), timeout=30)
+    run.wait_for(lambda: run.saw(EventName.FINDING_RESOLVED), timeout=30)
     time.sleep(1)
     run.stop()
 
@@ -129,7 +130,7 @@ def drain_waits_for_the_job(
     """The daemon waits for the job to drain; ten polls later the job ends (``job_ends``, NVML
     then listing ``gpus``) and the finding is resolved: whether it waited, what held before the
     job's exit, the fake nvidia-smi's calls and the daemon's events."""
-    waited = run.wait_for(lambda: run.saw("health.drain_waiting"), timeout=30)
+    waited = run.wait_for(lambda: run.saw(EventName.HEALTH_DRAIN_WAITING), timeout=30)
     time.sleep(2)  # ten polls: nothing may happen to the job (never signalled), and no reset
     before_exit = job_ends(host, job, gpus)
     resolved_then_stop(run)
@@ -230,7 +231,7 @@ def host_xid_79_reboot(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         page, paged = marker_hook(host, "page")
         run = Run(host, reset={**reset, "drain": [drain]}, on_failure=[page])
         start_then_xid(run, host, [gpu(0), gpu(1)], on=1, xid=79)
-        run.wait_for(lambda: run.saw("gpu.needs_reboot"), timeout=30)
+        run.wait_for(lambda: run.saw(EventName.GPU_NEEDS_REBOOT), timeout=30)
         time.sleep(2)  # ten polls: nothing may repeat, nothing may be reset
         run.stop()
         return {
@@ -302,9 +303,9 @@ def test_xid_154_drain_and_reset_waits_for_the_job_then_resets_once_as_simulate_
     # its step's event.
     drain, reset = result["evidence"]["files"]
     assert [drain["action"], reset["action"]] == ["reset_drain", "gpu_reset"]
-    (hook,) = [e for e in result["events"] if e.get("event") == "hook.run"]
+    (hook,) = [e for e in result["events"] if e.get("event") == EventName.HOOK_RUN]
     assert hook["evidence_file"] == drain["path"]
-    (outcome,) = [e for e in result["events"] if e.get("event") == "reset.outcome"]
+    (outcome,) = [e for e in result["events"] if e.get("event") == EventName.RESET_OUTCOME]
     assert outcome["evidence_file"] == reset["path"]
     assert drain["trees"], "the drain's evidence names the job holding the GPU"
 
@@ -327,7 +328,7 @@ def test_a_solo_xid_48_through_the_daemon_is_one_reset_as_simulate_says(tmp_path
     ran = resets(result["calls"])
     assert len(ran) == 1
     assert ran[0].endswith("-i GPU-00000000-face-4000-8000-000000000000")
-    (new,) = [e for e in result["events"] if e.get("event") == "finding.new"]
+    (new,) = [e for e in result["events"] if e.get("event") == EventName.FINDING_NEW]
     assert "solo: NVIDIA: reset the GPU" in new["reason"]
     assert new["evidence"]["recovery_action"].startswith("unknown (not_supported")
     assert decisions(result["events"]) == simulated("xid-48-solo-idle")
@@ -386,15 +387,15 @@ def host_drain_p2p(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         job, busy, reset = job_on_gpu0(host)
         run = Run(host, reset={**reset, "cooldown": "0s"}, health={"drain_timeout": "10m"})
         start_then_xid(run, host, [{**busy, "recovery_action": 3}], on=0, xid=154, name="x154a")
-        drained = run.wait_for(lambda: run.saw("health.drain_started"), timeout=30)
+        drained = run.wait_for(lambda: run.saw(EventName.HEALTH_DRAIN_STARTED), timeout=30)
         time.sleep(2)  # ten polls of DRAIN_P2P: no reset, the job runs on
         during = job_ends(host, job, [gpu(0, recovery_action=3)])
         time.sleep(1)
         # The driver settles on GPU_RESET, with no Xid 154 to say so: only re-reading sees it.
         host.nvml([gpu(0, recovery_action=1)])
-        run.wait_for(lambda: run.saw("reset.outcome"), timeout=30)
+        run.wait_for(lambda: run.saw(EventName.RESET_OUTCOME), timeout=30)
         run.wait_for(
-            lambda: run.saw("finding.resolved", finding="reset_required:"
+            lambda: run.saw(EventName.FINDING_RESOLVED, finding="reset_required:"
                             "GPU-00000000-face-4000-8000-000000000000:gpu"),
             timeout=30,
         )  # fmt: skip
@@ -408,7 +409,7 @@ def test_drain_p2p_is_re_read_until_it_settles_then_one_reset_as_simulate_says(
 ) -> None:
     result = run_host("host_drain_p2p", tmp_path)
     waited_for_the_job_then_reset_once(result, "drained", "during")
-    kinds = [e["kind"] for e in result["events"] if e.get("event") == "finding.new"]
+    kinds = [e["kind"] for e in result["events"] if e.get("event") == EventName.FINDING_NEW]
     assert [k for k in kinds if k in HEALTH_KINDS] == ["drain_required", "reset_required"]
     assert decisions(result["events"]) == simulated("drain-p2p-settles-to-reset")
 
@@ -429,13 +430,15 @@ def host_fabric_in_progress(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         start_then_xid(
             run, host, [gpu(0, fabric=completed), gpu(1, fabric=completed)], on=0, xid=95
         )
-        waiting = run.wait_for(lambda: run.saw("reset.step", status="fabric_waiting"), timeout=30)
+        waiting = run.wait_for(
+            lambda: run.saw(EventName.RESET_STEP, status="fabric_waiting"), timeout=30
+        )
         time.sleep(3)  # three reads a second apart: still IN_PROGRESS
-        held = {"after": lines(undrained), "outcome": run.saw("reset.outcome")}
+        held = {"after": lines(undrained), "outcome": run.saw(EventName.RESET_OUTCOME)}
         completed_at = time.time()
         host.nvml([gpu(0, fabric=completed), gpu(1, fabric=completed)])
-        run.wait_for(lambda: run.saw("reset.outcome"), timeout=30)
-        run.wait_for(lambda: run.saw("finding.resolved"), timeout=30)
+        run.wait_for(lambda: run.saw(EventName.RESET_OUTCOME), timeout=30)
+        run.wait_for(lambda: run.saw(EventName.FINDING_RESOLVED), timeout=30)
         run.stop()
         return {
             "waiting": waiting,
@@ -454,13 +457,13 @@ def test_a_reset_waits_for_the_nvlink_fabric_before_it_counts_and_undrains(
     assert result["waiting"] is True
     assert result["held"] == {"after": [], "outcome": False}
     assert result["after"] == ["reset_after"]
-    (outcome,) = [e for e in result["events"] if e.get("event") == "reset.outcome"]
+    (outcome,) = [e for e in result["events"] if e.get("event") == EventName.RESET_OUTCOME]
     assert outcome["result"] == "success"
     assert "fabric registration COMPLETED" in outcome["reason"]
     (done,) = [
         e
         for e in result["events"]
-        if e.get("event") == "reset.step" and e.get("status") == "fabric_completed"
+        if e.get("event") == EventName.RESET_STEP and e.get("status") == "fabric_completed"
     ]
     assert _epoch(done["timestamp"]) >= result["completed_at"] - 0.01
     assert len(resets(result["calls"])) == 1
@@ -479,7 +482,7 @@ def host_xid_48_dry_run(arg: dict[str, Any], root: Path) -> dict[str, Any]:
                   reset={**reset, "cooldown": "0s", "max_resets": 5,
                          "drain": [[*drain, "{uuid}", "{pci_bus_id}"]]})  # fmt: skip
         start_then_xid(run, host, [gpu(0), gpu(1)], on=0, xid=48)
-        run.wait_for(lambda: run.saw("finding.resolved"), timeout=30)
+        run.wait_for(lambda: run.saw(EventName.FINDING_RESOLVED), timeout=30)
         time.sleep(2)  # ten more polls
         run.stop()
         return {"calls": smi_calls(host), "events": run.events(), "drained": lines(drained)}
@@ -491,11 +494,11 @@ def test_the_journal_of_a_dry_run_daemon_previews_one_reset_with_hooks_filled_in
     result = run_host("host_xid_48_dry_run", tmp_path)
     assert result["calls"] == []  # nothing ran: no reset, no persistence, no health query
     assert result["drained"] == []  # the hook was never started
-    outcomes = [e for e in result["events"] if e.get("event") == "reset.outcome"]
+    outcomes = [e for e in result["events"] if e.get("event") == EventName.RESET_OUTCOME]
     assert [(e["result"], e["dry_run"]) for e in outcomes] == [("dry_run", True)]
-    (booked,) = [e for e in result["events"] if e.get("event") == "reset.dry_run"]
+    (booked,) = [e for e in result["events"] if e.get("event") == EventName.RESET_DRY_RUN]
     assert booked["assumed"].startswith("success")
-    (hook,) = [e for e in result["events"] if e.get("event") == "hook.run"]
+    (hook,) = [e for e in result["events"] if e.get("event") == EventName.HOOK_RUN]
     assert hook["dry_run"] is True
     uuid, bus = hook["argv"][-2:]
     assert uuid == "GPU-00000000-face-4000-8000-000000000000"

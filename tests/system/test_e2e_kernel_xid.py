@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from gpuwatchd.collect.procfs import ProcFS
+from gpuwatchd.core.vocabulary import EventName
 from tests.support.daemonrun import SLURM_SCOPE, Run
 from tests.support.fakenvml import gpu
 from tests.support.simhost import (
@@ -46,25 +47,25 @@ def host_kernel_xids(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         job = host.wait_ready("job")["job"]
         run = Run(host)
         run.start()
-        run.wait_for(lambda: run.saw("gpu.needs_reboot"), timeout=30)
+        run.wait_for(lambda: run.saw(EventName.GPU_NEEDS_REBOOT), timeout=30)
         # A flood of one Xid (94: counted, no finding), then more of it within the minute.
         host.kernel_xid(0, 94, "pid=1, name=init, Contained", count=FLOOD)
-        run.wait_for(lambda: run.saw("health.xid", xid=94), timeout=30)
+        run.wait_for(lambda: run.saw(EventName.HEALTH_XID, xid=94), timeout=30)
         host.kernel_xid(0, 94, "pid=1, name=init, Contained", count=FLOOD)
         # An application Xid naming the test's own process.
         comm = Path(f"/proc/{job}/comm").read_text().strip()
         host.kernel_xid(0, 13, f"pid={job}, name={comm}, Graphics SM Warp Exception")
-        run.wait_for(lambda: run.saw("health.xid", xid=13), timeout=30)
+        run.wait_for(lambda: run.saw(EventName.HEALTH_XID, xid=13), timeout=30)
         # One Xid (31) seen by both sources.
         host.nvml([gpu(0), gpu(1)], events=[{"id": "x31", "gpu": 0, "type": 8, "data": 31}])
         host.kernel_xid(0, 31, f"pid={job}, name={comm}, MMU Fault")
-        run.wait_for(lambda: run.saw("health.xid", xid=31), timeout=30)
+        run.wait_for(lambda: run.saw(EventName.HEALTH_XID, xid=31), timeout=30)
         time.sleep(2)  # ten polls: a late duplicate would be counted by now
         # A reload cannot switch the kernel log off: it is opened at start.
         run.reload_with("50-kernel-log.yaml", "health:\n  kernel_log: 'off'\n")
-        run.wait_for(lambda: run.saw("config.reload_partial"), timeout=30)
+        run.wait_for(lambda: run.saw(EventName.CONFIG_RELOAD_PARTIAL), timeout=30)
         host.kernel_xid(0, 43, "after the reload")
-        run.wait_for(lambda: run.saw("health.xid", xid=43), timeout=30)
+        run.wait_for(lambda: run.saw(EventName.HEALTH_XID, xid=43), timeout=30)
         info = ProcFS("/proc").read_process(job)
         alive = host.alive(job)
         os.kill(job, signal.SIGTERM)  # ours: the test started it
@@ -87,7 +88,9 @@ def played(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def xid_events(played: dict[str, Any], xid: int) -> list[dict[str, Any]]:
-    return [e for e in played["events"] if e.get("event") == "health.xid" and e["xid"] == xid]
+    return [
+        e for e in played["events"] if e.get("event") == EventName.HEALTH_XID and e["xid"] == xid
+    ]
 
 
 def test_an_xid_logged_before_the_daemon_started_is_judged_and_marked(
@@ -96,7 +99,7 @@ def test_an_xid_logged_before_the_daemon_started_is_judged_and_marked(
     (said,) = xid_events(played, 79)
     assert said["before_start"] is True
     assert said["sources"] == ["kernel"]
-    new = [e for e in played["events"] if e.get("event") == "finding.new"
+    new = [e for e in played["events"] if e.get("event") == EventName.FINDING_NEW
            and str(e.get("finding", "")).startswith("reboot_required")]  # fmt: skip
     assert len(new) == 1
     assert new[0]["gpu"] == said["gpu"]
@@ -116,7 +119,7 @@ def test_an_application_xid_names_its_process(played: dict[str, Any]) -> None:
     assert (said["pid"], said["process"]) == (played["job"], played["comm"])
     assert said["job"] == played["job_key"]
     assert played["alive"] is True  # evidence only: never signalled
-    assert [e for e in played["events"] if e.get("event") == "action.signal"] == []
+    assert [e for e in played["events"] if e.get("event") == EventName.ACTION_SIGNAL] == []
 
 
 def test_an_application_xid_names_its_slurm_job(cgroup_base: Path, tmp_path: Path) -> None:
@@ -140,6 +143,6 @@ def test_an_xid_seen_by_nvml_and_the_kernel_log_counts_once(played: dict[str, An
 
 
 def test_a_reload_keeps_the_kernel_log_the_daemon_started_with(played: dict[str, Any]) -> None:
-    partial = [e for e in played["events"] if e.get("event") == "config.reload_partial"]
+    partial = [e for e in played["events"] if e.get("event") == EventName.CONFIG_RELOAD_PARTIAL]
     assert [e["needs_restart"] for e in partial] == [["health.kernel_log"]]
     assert len(xid_events(played, 43)) == 1  # still read after the reload

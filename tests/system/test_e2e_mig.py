@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 
+from gpuwatchd.core.vocabulary import EventName
 from tests.support.daemonrun import (
     ORPHAN_RULE,
     Run,
@@ -115,7 +116,7 @@ def host_mig_leak_beside_live_job(arg: dict[str, Any], root: Path) -> dict[str, 
         )
         run.start()
         if arg["dry_run"]:
-            run.wait_for(lambda: run.saw("action.signal", pid=pids["worker1"]), timeout=30)
+            run.wait_for(lambda: run.saw(EventName.ACTION_SIGNAL, pid=pids["worker1"]), timeout=30)
         else:
             run.wait_for(lambda: host.state_of(pids["worker1"]) is None, timeout=30)
         time.sleep(4)  # longer than the whole ladder: nothing else may be signalled
@@ -270,21 +271,23 @@ def host_mig_ghost_recovery(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         )
         run.start()
         if variant == "parent_only":
-            run.wait_for(lambda: run.saw("reset.refused"), timeout=40)
+            run.wait_for(lambda: run.saw(EventName.RESET_REFUSED), timeout=40)
         else:
-            run.wait_for(lambda: run.saw("reset.outcome"), timeout=40)
+            run.wait_for(lambda: run.saw(EventName.RESET_OUTCOME), timeout=40)
         time.sleep(2)  # several more polls, within the cooldown
         run.stop()
         clean = host.gpuwatchd("check-clean", "--config", str(run.config))
         log = host.root / "smi.log"
         gi1 = json.loads(host.fake.state_path.read_text())["gpus"][0]["mig_devices"][0]
-        steps = [e for e in run.events() if e.get("event") == "reset.step"]
+        steps = [e for e in run.events() if e.get("event") == EventName.RESET_STEP]
         return {
             "pids": pids,
             "calls": log.read_text().splitlines() if log.exists() else [],
-            "outcomes": [e for e in run.events() if e.get("event") == "reset.outcome"],
-            "due": [e for e in run.events() if e.get("event") == "reset.due"],
-            "refused": [e.get("why") for e in run.events() if e.get("event") == "reset.refused"],
+            "outcomes": [e for e in run.events() if e.get("event") == EventName.RESET_OUTCOME],
+            "due": [e for e in run.events() if e.get("event") == EventName.RESET_DUE],
+            "refused": [
+                e.get("why") for e in run.events() if e.get("event") == EventName.RESET_REFUSED
+            ],
             "signals": _signals(run),
             "alive": {name: host.alive(pids[name]) for name in ("trainer2", "worker2")},
             "gi1_used": gi1["memory"]["used"],

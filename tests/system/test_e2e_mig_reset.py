@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from gpuwatchd.core.vocabulary import EventName
 from tests.support import daemonrun
 from tests.support.daemonrun import Run, _signals, mig_recovery_argvs, smi_calls
 from tests.support.fakenvml import MiB, cap_minor, gpu, mig_device, mig_minors_text, process, state
@@ -113,14 +114,14 @@ def host_mig_gpu_reset(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         run = Run(host, reset=reset_config(host), mig_minors_file=str(host.root / "mig-minors"),
                   health={"drain_timeout": "10m"})  # fmt: skip
         run.start()
-        waited = run.wait_for(lambda: run.saw("health.drain_waiting"), timeout=30)
+        waited = run.wait_for(lambda: run.saw(EventName.HEALTH_DRAIN_WAITING), timeout=30)
         time.sleep(2)  # ten polls: the trainer runs on, never signalled, and no reset
         before_exit = {"alive": host.alive(trainer), "calls": smi_calls(host)}
         os.kill(trainer, signal.SIGTERM)  # the job ends on its own terms (ours: we started it)
         host.wait_gone("trainer")
         host.nvml([mig_gpu(action=1)])
-        run.wait_for(lambda: run.saw("reset.outcome"), timeout=40)
-        run.wait_for(lambda: run.saw("finding.resolved"), timeout=20)
+        run.wait_for(lambda: run.saw(EventName.RESET_OUTCOME), timeout=40)
+        run.wait_for(lambda: run.saw(EventName.FINDING_RESOLVED), timeout=20)
         time.sleep(1)
         run.stop()
         devices = json.loads(host.fake.state_path.read_text())["gpus"][0]["mig_devices"]
@@ -128,7 +129,7 @@ def host_mig_gpu_reset(arg: dict[str, Any], root: Path) -> dict[str, Any]:
             "waited": waited,
             "before_exit": before_exit,
             "calls": smi_calls(host),
-            "outcomes": [e for e in run.events() if e.get("event") == "reset.outcome"],
+            "outcomes": [e for e in run.events() if e.get("event") == EventName.RESET_OUTCOME],
             "signals": _signals(run),
             "layout": [(d["gi_profile_id"], d["placement"]) for d in devices],
             "said": [

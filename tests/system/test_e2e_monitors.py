@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from gpuwatchd.core.vocabulary import EventName
 from tests.support.daemonrun import Run, fake_smi, smi_calls
 from tests.support.fakenvml import GiB, gpu
 from tests.support.simhost import (
@@ -104,14 +105,14 @@ def host_monitors_beside_ghost(arg: dict[str, Any], root: Path) -> dict[str, Any
         check = host.gpuwatchd("check-clean", "--config", str(run.config))
         run.start()
         if arg["listed"]:
-            run.wait_for(lambda: run.saw("reset.outcome"), timeout=40)
+            run.wait_for(lambda: run.saw(EventName.RESET_OUTCOME), timeout=40)
             # Back after the reset: the supervisor started each again, holding the GPU.
             run.wait_for(
                 lambda: all(len(p) > 1 for p in supervisor.started.values()),
                 timeout=3 * RESTART_DELAY + 10,
             )
         else:
-            run.wait_for(lambda: run.saw("reset.refused"), timeout=40)
+            run.wait_for(lambda: run.saw(EventName.RESET_REFUSED), timeout=40)
             time.sleep(2)  # more polls: still no reset
         run.stop()
         supervisor.stop()
@@ -137,11 +138,11 @@ def _of(result: dict[str, Any], event: str) -> list[dict[str, Any]]:
 
 def test_monitors_beside_ghost_memory_block_its_reset_naming_them(tmp_path: Path) -> None:
     result = _scenario(tmp_path, listed=False)
-    kinds = {e.get("kind") for e in _of(result, "finding.new")}
+    kinds = {e.get("kind") for e in _of(result, EventName.FINDING_NEW)}
     assert "ghost_memory" in kinds
     assert "unaccounted_memory" not in kinds
     pids = {pid for pids in result["started"].values() for pid in pids}
-    refused = [str(e.get("why")) for e in _of(result, "reset.refused")]
+    refused = [str(e.get("why")) for e in _of(result, EventName.RESET_REFUSED)]
     assert any(f"monitor pid {pid} (" in why for why in refused for pid in pids), refused
     assert not [c for c in result["calls"] if "--gpu-reset" in c]
     assert [len(p) for p in result["started"].values()] == [1, 1], "never signalled"
@@ -153,14 +154,14 @@ def test_monitors_beside_ghost_memory_block_its_reset_naming_them(tmp_path: Path
 
 def test_listed_monitors_are_stopped_for_the_reset_and_are_back_afterwards(tmp_path: Path) -> None:
     result = _scenario(tmp_path, listed=True)
-    [outcome] = _of(result, "reset.outcome")
+    [outcome] = _of(result, EventName.RESET_OUTCOME)
     assert outcome["result"] == "success", outcome
     assert len([c for c in result["calls"] if "--gpu-reset" in c]) == 1
-    stopped = [e for e in _of(result, "reset.step") if e.get("step") == "stop_monitors"]
+    stopped = [e for e in _of(result, EventName.RESET_STEP) if e.get("step") == "stop_monitors"]
     assert [e["status"] for e in stopped] == ["ok"]
     first = {name: pids[0] for name, pids in result["started"].items()}
     assert sorted(stopped[0]["monitors"]) == sorted(
         f"pid {pid} ({name})" for name, pid in first.items()
     )
     assert result["back"] == {"gpustat": True, "smi-loop": True}
-    assert _of(result, "action.signal") == [], "no kill ladder: a monitor is never a target"
+    assert _of(result, EventName.ACTION_SIGNAL) == [], "no kill ladder: a monitor is never a target"

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from gpuwatchd.core.vocabulary import EventName
 from tests.support.daemonrun import Run, orphan_host
 from tests.support.fakenvml import gpu
 from tests.support.simhost import (
@@ -63,11 +64,13 @@ def host_rollout_week(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         run = Run(host, dry_run=True, nvml_timeout="1s")
         slurm = Slurm(host, run.config)
         run.start()
-        assert run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
+        assert run.wait_for(lambda: run.saw(EventName.DAEMON_START), timeout=30)
 
         # 1. dry-run: the would-be signals, and the epilog's would-be drain.
-        run.wait_for(lambda: run.saw("action.signal", pid=worker, outcome="dry_run"), timeout=30)
-        out["dry_signal"] = run.saw("action.signal", pid=worker, outcome="dry_run")
+        run.wait_for(
+            lambda: run.saw(EventName.ACTION_SIGNAL, pid=worker, outcome="dry_run"), timeout=30
+        )
+        out["dry_signal"] = run.saw(EventName.ACTION_SIGNAL, pid=worker, outcome="dry_run")
         out["epilog"] = slurm.script("epilog", "0", timeout="30s", job="4711")
         out["would_drain"] = slurm.would_drain()
         out["alive_after_dry_run"] = host.alive(worker)
@@ -83,7 +86,10 @@ def host_rollout_week(arg: dict[str, Any], root: Path) -> dict[str, Any]:
             "--config", str(run.config),
         )  # fmt: skip
         out["spare_cli"], out["pause_cli"] = spared.returncode, paused.returncode
-        run.wait_for(lambda: run.saw("spare.started") and run.saw("daemon.paused"), timeout=30)
+        run.wait_for(
+            lambda: run.saw(EventName.SPARE_STARTED) and run.saw(EventName.DAEMON_PAUSED),
+            timeout=30,
+        )
 
         def paused_and_spared() -> bool:  # logged as the poll takes them; saved at its end
             out["status_paused"] = _status(host, run.config)
@@ -92,27 +98,30 @@ def host_rollout_week(arg: dict[str, Any], root: Path) -> dict[str, Any]:
 
         run.wait_for(paused_and_spared, timeout=30)
         run.reload_with("50-enforce.yaml", "dry_run: false\n")
-        run.wait_for(lambda: run.saw("config.reloaded", dry_run=False), timeout=30)
-        run.wait_for(lambda: run.saw("daemon.resumed"), timeout=30)
+        run.wait_for(lambda: run.saw(EventName.CONFIG_RELOADED, dry_run=False), timeout=30)
+        run.wait_for(lambda: run.saw(EventName.DAEMON_RESUMED), timeout=30)
         out["resumed_after"] = time.monotonic() - given
         out["alive_after_pause"] = host.alive(worker)
-        run.wait_for(lambda: run.saw("spare.ended"), timeout=30)
+        run.wait_for(lambda: run.saw(EventName.SPARE_ENDED), timeout=30)
         out["spare_ended_after"] = time.monotonic() - given
         run.wait_for(lambda: not host.alive(worker), timeout=30)
         out["alive_at_the_end"] = host.alive(worker)
         # action.signal is logged once the kill has returned: the worker may be gone first.
-        run.wait_for(lambda: run.saw("action.signal", pid=worker, outcome="delivered"), timeout=10)
+        run.wait_for(
+            lambda: run.saw(EventName.ACTION_SIGNAL, pid=worker, outcome="delivered"), timeout=10
+        )
         out["order"] = {
-            "paused": _index(run, "daemon.paused"),
-            "resumed": _index(run, "daemon.resumed"),
-            "spare_started": _index(run, "spare.started"),
-            "spare_ended": _index(run, "spare.ended"),
-            "delivered": _index(run, "action.signal", pid=worker, outcome="delivered"),
+            "paused": _index(run, EventName.DAEMON_PAUSED),
+            "resumed": _index(run, EventName.DAEMON_RESUMED),
+            "spare_started": _index(run, EventName.SPARE_STARTED),
+            "spare_ended": _index(run, EventName.SPARE_ENDED),
+            "delivered": _index(run, EventName.ACTION_SIGNAL, pid=worker, outcome="delivered"),
         }
         out["spare_refusals"] = [
             e.get("why")
             for e in run.events()
-            if e.get("event") == "action.refused" and str(e.get("why", "")).startswith("spare:")
+            if e.get("event") == EventName.ACTION_REFUSED
+            and str(e.get("why", "")).startswith("spare:")
         ]
 
         # 3. NVML wedged, then back.
@@ -128,17 +137,19 @@ def host_rollout_week(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         out["status_wedged"] = seen[-1]
         out["wedged_seen_after"] = time.monotonic() - wedged_at
         host.nvml([gpu(0), gpu(1)])
-        run.wait_for(lambda: run.saw("nvml.recovered"), timeout=60)
-        out["recovered"] = [e for e in run.events() if e.get("event") == "nvml.recovered"]
+        run.wait_for(lambda: run.saw(EventName.NVML_RECOVERED), timeout=60)
+        out["recovered"] = [e for e in run.events() if e.get("event") == EventName.NVML_RECOVERED]
 
         def back() -> bool:  # nvml.recovered is logged in the poll that saves it at its end
             out["status_back"] = _status(host, run.config)
             return bool(out["status_back"][1].get("nvml", {}).get("state") == "ok")
 
         run.wait_for(back, timeout=30)
-        out["resumed"] = [e for e in run.events() if e.get("event") == "daemon.resumed"]
+        out["resumed"] = [e for e in run.events() if e.get("event") == EventName.DAEMON_RESUMED]
         out["spare_events"] = [
-            e for e in run.events() if e.get("event") in ("spare.started", "spare.ended")
+            e
+            for e in run.events()
+            if e.get("event") in (EventName.SPARE_STARTED, EventName.SPARE_ENDED)
         ]
         out["pids"] = {"worker": worker, "trainer": trainer}
         run.stop()
@@ -171,7 +182,7 @@ def test_the_rollout_week(tmp_path: Path) -> None:
     assert PAUSE_FOR - 0.5 <= r["resumed_after"] < SPARE_FOR
     assert r["alive_after_pause"] is True
     assert r["spare_ended_after"] >= SPARE_FOR - 0.5
-    ended = [e for e in r["spare_events"] if e["event"] == "spare.ended"]
+    ended = [e for e in r["spare_events"] if e["event"] == EventName.SPARE_ENDED]
     assert [e["why"] for e in ended] == ["its time was up"]
     assert r["spare_refusals"], "the spared worker's ladder never said it was held"
     assert r["alive_at_the_end"] is False

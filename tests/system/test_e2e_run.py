@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from gpuwatchd.core.vocabulary import EventName
 from tests.support.daemonrun import (
     ORPHAN_RULE,
     SLURM_SCOPE,
@@ -51,7 +52,7 @@ def host_orphan_exits_on_sigterm(arg: dict[str, Any], root: Path) -> dict[str, A
         run = Run(host)
         run.start()
         gone = run.wait_for(lambda: host.state_of(host.pids["worker"]) is None)
-        run.wait_for(lambda: run.saw("escalation.resolved"), timeout=5)
+        run.wait_for(lambda: run.saw(EventName.ESCALATION_RESOLVED), timeout=5)
         code = run.stop()
         return {"gone": gone, "signals": _signals(run), "code": code, "pids": host.pids}
 
@@ -87,11 +88,11 @@ def host_protected_is_never_signalled(arg: dict[str, Any], root: Path) -> dict[s
         host.nvml([gpu(0, allocated=GiB, processes=[process(pids["trainer"], GiB)])])
         run = Run(host, protect={"commands": ['"name": "keepme"']})
         run.start()
-        run.wait_for(lambda: run.saw("action.refused", pid=pids["keepme"]), timeout=10)
+        run.wait_for(lambda: run.saw(EventName.ACTION_REFUSED, pid=pids["keepme"]), timeout=10)
         time.sleep(3)  # longer than the whole ladder
         alive = {name: host.alive(pids[name]) for name in ("engine", "keepme")}
         run.stop()
-        refused = [e for e in run.events() if e.get("event") == "action.refused"]
+        refused = [e for e in run.events() if e.get("event") == EventName.ACTION_REFUSED]
         report = host.scan_json(run.config)
         roles = {h["pid"]: h["role"] for h in report["gpus"][0]["holders"]}
         return {
@@ -121,7 +122,7 @@ def host_pid_reuse(arg: dict[str, Any], root: Path) -> dict[str, Any]:
             ],
         )
         run.start()
-        run.wait_for(lambda: run.saw("action.signal", pid=worker, signal="SIGTERM"))
+        run.wait_for(lambda: run.saw(EventName.ACTION_SIGNAL, pid=worker, signal="SIGTERM"))
         os.kill(worker, signal.SIGKILL)  # our own child: it "exits" on its own
         run.wait_for(lambda: host.state_of(worker) is None)
         # Make the next fork take the same PID (ns_last_pid = pid - 1) and start a bystander.
@@ -143,11 +144,11 @@ def host_ghost_reset(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         host.nvml([gpu(0, allocated=3 * GiB), gpu(1)])
         run = Run(host, reset=fake_smi(host))
         run.start()
-        run.wait_for(lambda: run.saw("reset.outcome"), timeout=30)
+        run.wait_for(lambda: run.saw(EventName.RESET_OUTCOME), timeout=30)
         time.sleep(3)  # several more polls, within the cooldown
         run.stop()
         memory = json.loads(host.fake.state_path.read_text())["gpus"][0]["memory"]["used"]
-        outcomes = [e for e in run.events() if e.get("event") == "reset.outcome"]
+        outcomes = [e for e in run.events() if e.get("event") == EventName.RESET_OUTCOME]
         return {
             "calls": smi_calls(host),
             "memory": memory,
@@ -170,9 +171,9 @@ def host_reset_blocked_by_hidden_holder(arg: dict[str, Any], root: Path) -> dict
         reset["before"] = [[str(holder)]]
         run = Run(host, reset=reset)
         run.start()
-        run.wait_for(lambda: run.saw("reset.outcome"), timeout=30)
+        run.wait_for(lambda: run.saw(EventName.RESET_OUTCOME), timeout=30)
         run.stop()
-        outcomes = [e for e in run.events() if e.get("event") == "reset.outcome"]
+        outcomes = [e for e in run.events() if e.get("event") == EventName.RESET_OUTCOME]
         return {"calls": smi_calls(host), "outcomes": outcomes}
 
 
@@ -184,16 +185,16 @@ def host_reset_hangs(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         marker = host.root / "on_failure.ran"
         run = Run(host, reset=reset, on_failure=[["touch", str(marker)]])
         run.start()
-        run.wait_for(lambda: run.saw("reset.outcome"), timeout=30)
+        run.wait_for(lambda: run.saw(EventName.RESET_OUTCOME), timeout=30)
         run.wait_for(marker.exists, timeout=10)
         run.stop()
         hang_pid = int((host.root / "hang.pid").read_text())
-        outcomes = [e for e in run.events() if e.get("event") == "reset.outcome"]
+        outcomes = [e for e in run.events() if e.get("event") == EventName.RESET_OUTCOME]
         return {
             "outcomes": outcomes,
             "on_failure_ran": marker.exists(),
             "grandchild_alive": host.alive(hang_pid),
-            "hooks": [e for e in run.events() if e.get("event") == "hook.run"],
+            "hooks": [e for e in run.events() if e.get("event") == EventName.HOOK_RUN],
             "evidence": evidence_files(host, run.config),
         }
 
@@ -208,7 +209,7 @@ def host_restart_mid_escalation(arg: dict[str, Any], root: Path) -> dict[str, An
         }
         first = Run(host, rules=[rule])
         first.start()
-        first.wait_for(lambda: first.saw("action.signal", pid=worker, signal="SIGTERM"))
+        first.wait_for(lambda: first.saw(EventName.ACTION_SIGNAL, pid=worker, signal="SIGTERM"))
         first.stop()
         second = Run(host, rules=[rule])
         second.log = host.root / "daemon2.log"
@@ -236,7 +237,7 @@ def host_killed_mid_reset(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         second = Run(host, reset=reset)
         second.log = host.root / "daemon2.log"
         second.start()
-        second.wait_for(lambda: second.saw("reset.resumed"), timeout=20)
+        second.wait_for(lambda: second.saw(EventName.RESET_RESUMED), timeout=20)
         time.sleep(1)
         second.stop()
         return {
@@ -260,10 +261,10 @@ def host_stuck_orphan(arg: dict[str, Any], root: Path) -> dict[str, Any]:
             rules=[ORPHAN_RULE, {"name": "stuck", "kind": "stuck", "steps": [{"signal": None}]}],
         )
         run.start()
-        run.wait_for(lambda: run.saw("target.stuck"), timeout=15)
+        run.wait_for(lambda: run.saw(EventName.TARGET_STUCK), timeout=15)
         time.sleep(3)  # many polls: the hook must not run again
         run.stop()
-        stuck_events = [e for e in run.events() if e.get("event") == "target.stuck"]
+        stuck_events = [e for e in run.events() if e.get("event") == EventName.TARGET_STUCK]
         return {
             "signals": _signals(run),
             "stuck_events": stuck_events,
@@ -319,7 +320,7 @@ def host_abandoned_slurm_job(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         signalled = [
             (e.get("pid"), e.get("kind"), e.get("signal"))
             for e in run.events()
-            if e.get("event") == "action.signal"
+            if e.get("event") == EventName.ACTION_SIGNAL
         ]
         return {
             "pids": pids,
@@ -352,11 +353,11 @@ def host_kill_cap(arg: dict[str, Any], root: Path) -> dict[str, Any]:
             },
         )
         run.start()
-        run.wait_for(lambda: run.saw("limits.kill_cap_reached"), timeout=20)
+        run.wait_for(lambda: run.saw(EventName.LIMITS_KILL_CAP_REACHED), timeout=20)
         time.sleep(2)
         run.stop()
         alive = sum(host.alive(pids[f"w{i}"]) for i in range(5))
-        caps = [e for e in run.events() if e.get("event") == "limits.kill_cap_reached"]
+        caps = [e for e in run.events() if e.get("event") == EventName.LIMITS_KILL_CAP_REACHED]
         return {"signals": _signals(run), "alive": alive, "caps": caps}
 
 
@@ -371,14 +372,14 @@ def host_dry_run(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         )
         run = Run(host, dry_run=True, reset=fake_smi(host))
         run.start()
-        run.wait_for(lambda: run.saw("reset.outcome"), timeout=30)
+        run.wait_for(lambda: run.saw(EventName.RESET_OUTCOME), timeout=30)
         time.sleep(3)
         run.stop()
         report = host.scan_json(run.config)  # reads the stopped daemon's state
         return {
             "first_seen": {f["kind"]: f["first_seen"] for f in report["findings"]},
             "evidence": evidence_files(host, run.config),
-            "resets": [e for e in run.events() if e.get("event") == "reset.outcome"],
+            "resets": [e for e in run.events() if e.get("event") == EventName.RESET_OUTCOME],
             "scanned_at": time.time(),
             "alive": host.alive(host.pids["worker"]),
             "signals": _signals(run),
@@ -497,7 +498,7 @@ def test_daemon_killed_mid_reset_finishes_it_at_next_start_without_resetting_aga
     assert len(resets) == 1
     assert result["after_ran"] is True
     assert any(c.startswith("-pm 1") for c in result["calls"])
-    assert "reset.resumed" in result["second"]
+    assert EventName.RESET_RESUMED in result["second"]
 
 
 def test_stuck_target_is_reported_once_and_never_put_through_sigkill(tmp_path: Path) -> None:
@@ -540,7 +541,7 @@ def test_dry_run_logs_the_same_decisions_and_touches_nothing(tmp_path: Path) -> 
     assert result["signals"]
     assert all(s["dry_run"] is True and s["outcome"] == "dry_run" for s in result["signals"])
     assert not [c for c in result["calls"] if "--gpu-reset" in c or "-pm" in c]
-    assert "reset.outcome" in result["events"]
+    assert EventName.RESET_OUTCOME in result["events"]
     # scan shows since when the daemon has seen each finding (explain uses it).
     seen = result["first_seen"]
     assert {"orphaned", "ghost_memory"} <= set(seen)
@@ -610,7 +611,7 @@ def test_leak_from_before_the_daemon_scan_shows_the_heir_and_once_frees_it_with_
     signalled = [
         json.loads(line)
         for line in result["once_output"].splitlines()
-        if line.startswith("{") and '"action.signal"' in line
+        if line.startswith("{") and f'"{EventName.ACTION_SIGNAL}"' in line
     ]
     assert {(e["pid"], e["kind"]) for e in signalled} == {(worker, "orphaned")}
 
@@ -648,7 +649,7 @@ def host_epilog_names_ended_job(arg: dict[str, Any], root: Path) -> dict[str, An
             daemon = Run(host, rules=[rule], limits={"post_action_delay": "0s"})
             config = daemon.config
             daemon.start()
-            daemon.wait_for(lambda: daemon.saw("daemon.start"), timeout=30)
+            daemon.wait_for(lambda: daemon.saw(EventName.DAEMON_START), timeout=30)
             time.sleep(1)  # polls without the hand-over: job 42's task is left alone
         bad = host.gpuwatchd("run", "--once", "--ended-job", "slurm:4x2", "--config", str(config))
         env = {**host.env(), "SLURM_JOB_ID": "42"}
@@ -692,12 +693,12 @@ def test_epilog_ended_job_makes_its_holders_abandoned_for_that_run(
     if daemon:
         events = result["daemon_events"]
         assert "handed to the running daemon: slurm:42 ended" in result["once_output"]
-        taken = [e for e in events if e.get("event") == "scheduler.ended_job"]
+        taken = [e for e in events if e.get("event") == EventName.SCHEDULER_ENDED_JOB]
         assert [e.get("job") for e in taken] == ["slurm:42"]
-        signalled = {e["pid"] for e in events if e.get("event") == "action.signal"}
+        signalled = {e["pid"] for e in events if e.get("event") == EventName.ACTION_SIGNAL}
         assert signalled == {result["pids"]["task42"]}
         names = [e.get("event") for e in events]
-        assert names.index("scheduler.ended_job") < names.index("action.signal")
+        assert names.index(EventName.SCHEDULER_ENDED_JOB) < names.index(EventName.ACTION_SIGNAL)
         assert result["handed_over"] == []  # withdrawn when the epilog's wait ended
     assert result["bad_code"] == 78
     assert "'4x2' is not a valid slurm id" in result["bad_err"]

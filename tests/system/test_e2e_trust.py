@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from gpuwatchd.core.vocabulary import EventName
 from tests.support.daemonrun import SLURM_SCOPE, Run, orphan_host
 from tests.support.fakenvml import GiB, MiB, gpu, process
 from tests.support.fakesmi import FakeSmi
@@ -106,7 +107,7 @@ def signals(run: Run) -> list[dict[str, Any]]:
     return [
         {k: e.get(k) for k in ("pid", "signal", "outcome", "dry_run", "kind")}
         for e in run.events()
-        if e.get("event") == "action.signal"
+        if e.get("event") == EventName.ACTION_SIGNAL
     ]
 
 
@@ -222,7 +223,7 @@ def host_forged_job_cgroup(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         )
         run = Run(host, rules=[ABANDONED_RULE], full_scan_interval="1s")
         run.start()
-        run.wait_for(lambda: len(named(run, "finding.new")) >= 1, timeout=20)
+        run.wait_for(lambda: len(named(run, EventName.FINDING_NEW)) >= 1, timeout=20)
         time.sleep(4)  # several polls and full scans: long enough for the whole ladder
         report = host.scan_json(run.config)
         run.stop()
@@ -282,7 +283,7 @@ def host_requeued_job(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         )  # fmt: skip
         run = Run(host, rules=[ABANDONED_RULE])
         run.start()
-        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
+        run.wait_for(lambda: run.saw(EventName.DAEMON_START), timeout=30)
         # The epilog of the first run: "job 42 ended", handed to the daemon while it waits.
         epilog = host.start_daemon(
             "run", "--once", "--ended-job", "slurm:42", "--timeout", "60s",
@@ -415,13 +416,13 @@ def host_thread_table_holder(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         holder = _holder(host, OWN_TABLE_HOLDER, host.dev("nvidia0")[0])
         run = _ghost_host(host, smi)
         run.start()
-        run.wait_for(lambda: run.saw("finding.new", pid=holder), timeout=20)
+        run.wait_for(lambda: run.saw(EventName.FINDING_NEW, pid=holder), timeout=20)
         time.sleep(4)
         run.stop()
         return {
             "holder": holder,
             "calls": smi.calls(),
-            "new": [(e.get("kind"), e.get("pid")) for e in named(run, "finding.new")],
+            "new": [(e.get("kind"), e.get("pid")) for e in named(run, EventName.FINDING_NEW)],
             "holder_alive": host.alive(holder),
         }
 
@@ -449,7 +450,7 @@ def host_in_flight_holder(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         holder = _holder(host, IN_FLIGHT_HOLDER, host.dev("nvidia0")[0])
         run = _ghost_host(host, smi)
         run.start()
-        run.wait_for(lambda: run.saw("reset.outcome"), timeout=30)
+        run.wait_for(lambda: run.saw(EventName.RESET_OUTCOME), timeout=30)
         time.sleep(5)  # five cooldowns
         run.stop()
         state = json.loads((host.state_dir / "state.json").read_text())
@@ -457,10 +458,10 @@ def host_in_flight_holder(arg: dict[str, Any], root: Path) -> dict[str, Any]:
             "holder": holder,
             "calls": smi.calls(),
             "events": [e.get("event") for e in run.events()],
-            "outcomes": [e.get("result") for e in named(run, "reset.outcome")],
+            "outcomes": [e.get("result") for e in named(run, EventName.RESET_OUTCOME)],
             "hidden": [
                 (e.get("pid"), e.get("evidence", {}).get("gap"))
-                for e in named(run, "finding.new")
+                for e in named(run, EventName.FINDING_NEW)
                 if e.get("kind") == "hidden_holder"
             ],
             "plan": state["plan"],
@@ -482,7 +483,7 @@ def test_the_drivers_in_use_is_a_hidden_holder_refused_once_not_a_failure(
     assert [None, "driver_in_use"] in result["hidden"]
     assert result["plan"]["reset_failures"] == 0
     assert result["plan"]["circuit_open"] is False
-    assert "reset.refused" in result["events"]
+    assert EventName.RESET_REFUSED in result["events"]
 
 
 # --- 7. one user's storm latched the whole node into dry-run ------------------------------------
@@ -508,7 +509,7 @@ def host_kill_cap_storm(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         host.nvml([gpu(0, allocated=GiB, processes=[process(storm_trainer, GiB)])])
         run = Run(host)  # the shipped caps: 16 a poll, 64 an hour per user
         run.start()
-        run.wait_for(lambda: run.saw("limits.kill_cap_reached"), timeout=30)
+        run.wait_for(lambda: run.saw(EventName.LIMITS_KILL_CAP_REACHED), timeout=30)
         # olivia's job crashes afterwards: one orphan of her own.
         other_trainer, (other,) = job(OLIVIA, 1, "olivia")
         host.nvml(
@@ -526,7 +527,7 @@ def host_kill_cap_storm(arg: dict[str, Any], root: Path) -> dict[str, Any]:
             "storm": storm,
             "other": other,
             "other_gone": other_gone,
-            "caps": named(run, "limits.kill_cap_reached"),
+            "caps": named(run, EventName.LIMITS_KILL_CAP_REACHED),
             "signals": signals(run),
         }
 

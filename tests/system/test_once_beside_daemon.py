@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from gpuwatchd.core.vocabulary import EventName
 from tests.support.daemonrun import ORPHAN_RULE, Run, orphan_host
 from tests.support.fakenvml import GiB, MiB, gpu, process
 from tests.support.simhost import (
@@ -58,7 +59,7 @@ def host_once_waits_for_the_daemon(arg: dict[str, Any], root: Path) -> dict[str,
         orphan_host(host, ignore_term=True)
         run = Run(host, rules=[SLOW_RULE])
         run.start()
-        assert run.wait_for(lambda: run.saw("daemon.start")), "the daemon did not start"
+        assert run.wait_for(lambda: run.saw(EventName.DAEMON_START)), "the daemon did not start"
         alive_before = host.alive(host.pids["worker"])
         # As the driver does: once the last holder is dead, NVML no longer lists the job.
         driver = threading.Thread(target=_free_when_gone, args=(host, "worker"), daemon=True)
@@ -69,7 +70,7 @@ def host_once_waits_for_the_daemon(arg: dict[str, Any], root: Path) -> dict[str,
         signals = [
             (e.get("pid"), e.get("signal"), e.get("outcome"))
             for e in run.events()
-            if e.get("event") == "action.signal"
+            if e.get("event") == EventName.ACTION_SIGNAL
         ]
         return {
             **once,
@@ -85,7 +86,7 @@ def host_once_times_out_beside_a_dry_run_daemon(arg: dict[str, Any], root: Path)
         orphan_host(host)
         run = Run(host, dry_run=True)
         run.start()
-        assert run.wait_for(lambda: run.saw("daemon.start")), "the daemon did not start"
+        assert run.wait_for(lambda: run.saw(EventName.DAEMON_START)), "the daemon did not start"
         once = _once(host, run, "3s")
         alive = host.alive(host.pids["worker"])
         run.stop()
@@ -140,8 +141,8 @@ def test_once_beside_the_daemon_waits_for_its_progress_and_acts_on_nothing(
     worker = result["pids"]["worker"]
     assert [worker, "SIGKILL", "delivered"] in result["signals"]  # lists after JSON
     # The once-run only watched: no action of its own, no loop of its own.
-    assert "action.signal" not in result["output"]
-    assert "daemon.start" not in result["output"]
+    assert EventName.ACTION_SIGNAL not in result["output"]
+    assert EventName.DAEMON_START not in result["output"]
     assert "is running; waiting" in result["output"]
 
 
@@ -158,7 +159,7 @@ def test_once_beside_a_dry_run_daemon_ends_with_75_naming_the_finding(
     assert "timed out" in last or "nothing the daemon does will change it" in last
     assert "GPU 0 GPU-" in last
     assert f"orphaned pid {worker}" in last
-    assert "action.signal" not in result["output"]
+    assert EventName.ACTION_SIGNAL not in result["output"]
 
 
 def test_check_clean_refuses_a_gpu_with_a_dead_jobs_memory_and_passes_an_idle_one(

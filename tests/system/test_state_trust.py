@@ -313,10 +313,10 @@ def full_disk(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         filler = _fill(small)
         orphan_host(host)
         worker = host.pids["worker"]
-        withheld = run.wait_for(lambda: run.saw("action.withheld"))
+        withheld = run.wait_for(lambda: run.saw(EventName.ACTION_WITHHELD))
         time.sleep(1.0)  # several polls: still nothing sent
         alive_while_full = host.alive(worker)
-        signals_while_full = [e for e in run.events() if e.get("event") == "action.signal"]
+        signals_while_full = [e for e in run.events() if e.get("event") == EventName.ACTION_SIGNAL]
         filler.unlink()
         gone = run.wait_for(lambda: host.state_of(worker) is None)
         saved = json.loads((state_dir / "state.json").read_text())
@@ -324,8 +324,10 @@ def full_disk(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         return {
             "started": started,
             "withheld": withheld,
-            "withheld_events": [e for e in run.events() if e.get("event") == "action.withheld"],
-            "save_failed": run.saw("state.save_failed"),
+            "withheld_events": [
+                e for e in run.events() if e.get("event") == EventName.ACTION_WITHHELD
+            ],
+            "save_failed": run.saw(EventName.STATE_SAVE_FAILED),
             "alive_while_full": alive_while_full,
             "signals_while_full": signals_while_full,
             "gone": gone,

@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from gpuwatchd.core.vocabulary import EventName
 from tests.support.container import _REASON, CI_DIR, HARNESS, REPO, UNIT, Container, wait_for
 from tests.support.debbuild import built_deb
 from tests.support.fakenvml import GiB, ensure_built, gpu
@@ -328,7 +329,7 @@ def test_reload_with_broken_policy_fails_visibly_and_keeps_the_old_one(
         ct.run(["kill", "-HUP", pid])
         wait_for(
             "config.reload_rejected in the journal",
-            lambda: any(e.get("GPUWATCHD_EVENT") == "config.reload_rejected"
+            lambda: any(e.get("GPUWATCHD_EVENT") == EventName.CONFIG_RELOAD_REJECTED
                         for e in ct.journal()),
             timeout=15,
         )  # fmt: skip
@@ -339,7 +340,9 @@ def test_reload_with_broken_policy_fails_visibly_and_keeps_the_old_one(
         )
     finally:
         (ct.root / "etc/gpuwatchd/conf.d/90-broken.yaml").unlink()
-    rejected = [e for e in ct.journal() if e.get("GPUWATCHD_EVENT") == "config.reload_rejected"]
+    rejected = [
+        e for e in ct.journal() if e.get("GPUWATCHD_EVENT") == EventName.CONFIG_RELOAD_REJECTED
+    ]
     assert rejected[-1]["PRIORITY"] == "3"
     ct.run(["systemctl", "reload", UNIT])  # the good policy reloads fine
     wait_for(
@@ -371,7 +374,11 @@ def test_a_drop_in_rejected_at_start_leaves_the_node_watched_and_says_so(
         assert "policy rejected at start" in ct.prop("StatusText")
 
         def start_rejected() -> list[dict[str, Any]]:  # sent before READY; journald may lag
-            return [e for e in ct.journal() if e.get("GPUWATCHD_EVENT") == "config.start_rejected"]
+            return [
+                e
+                for e in ct.journal()
+                if e.get("GPUWATCHD_EVENT") == EventName.CONFIG_START_REJECTED
+            ]
 
         wait_for("config.start_rejected in the journal", lambda: bool(start_rejected()), timeout=15)
         rejected = start_rejected()
@@ -463,13 +470,13 @@ def test_enforcing_kills_an_orphan_and_logs_the_action_at_warning(enforcing: Con
     # action.signal is logged once the kill has returned, and journald reads it in its own time.
     wait_for(
         "the signal to the orphan in the journal",
-        lambda: any(e.get("GPUWATCHD_EVENT") == "action.signal" for e in about_child()),
+        lambda: any(e.get("GPUWATCHD_EVENT") == EventName.ACTION_SIGNAL for e in about_child()),
         timeout=15,
     )
     about = about_child()
     assert about, "no journal entry names the signal sent to the orphan"
     # One warning line per action: the signal itself; the step that led to it is info.
-    actions = [e for e in about if e.get("GPUWATCHD_EVENT") == "action.signal"]
+    actions = [e for e in about if e.get("GPUWATCHD_EVENT") == EventName.ACTION_SIGNAL]
     assert actions
     assert {e["PRIORITY"] for e in actions} == {"4"}, actions
     assert {e["PRIORITY"] for e in about if e not in actions} <= {"6", "7"}
@@ -514,7 +521,8 @@ def test_on_action_runs_after_the_kill_with_its_placeholders_also_outside_the_sa
         return [
             e
             for e in ct.journal()
-            if e.get("GPUWATCHD_EVENT") == "hook.run" and e.get("GPUWATCHD_HOOK") == "on_action"
+            if e.get("GPUWATCHD_EVENT") == EventName.HOOK_RUN
+            and e.get("GPUWATCHD_HOOK") == "on_action"
         ]
 
     wait_for("hook.run for both notifications", lambda: len(ran()) >= 2, timeout=30)
@@ -563,7 +571,7 @@ def test_status_answers_while_the_daemon_runs(enforcing: Container) -> None:
     report = json.loads(ct.run(["gpuwatchd", "status", "--json"], check=False).stdout)
     assert report["running"] is True
     assert report["daemon"]["pid"] == int(ct.prop("MainPID"))
-    assert any(a["event"] == "action.signal" for a in report["recent_actions"])
+    assert any(a["event"] == EventName.ACTION_SIGNAL for a in report["recent_actions"])
 
 
 def test_hook_gets_cap_sys_admin_like_nvidia_smi(enforcing: Container) -> None:
@@ -767,7 +775,9 @@ def test_actions_are_native_journal_entries_with_their_fields(enforcing: Contain
 
     def delivered() -> list[dict[str, Any]]:
         query = ["GPUWATCHD_EVENT=action.signal", "OUTCOME=delivered"]
-        return [e for e in ct.journal(*query) if e.get("GPUWATCHD_EVENT") == "action.signal"]
+        return [
+            e for e in ct.journal(*query) if e.get("GPUWATCHD_EVENT") == EventName.ACTION_SIGNAL
+        ]
 
     if not delivered():  # run on its own: make the daemon act once
         pidfile = f"{CI_DIR}/orphan-journal.pids"
@@ -782,7 +792,7 @@ def test_actions_are_native_journal_entries_with_their_fields(enforcing: Contain
 
     entries = delivered()
     assert entries, "no delivered action.signal entry in the journal"
-    documented = _documented_message_id("action.signal")
+    documented = _documented_message_id(EventName.ACTION_SIGNAL)
     for e in entries:
         assert e["_TRANSPORT"] == "journal", e  # the native protocol, not the stderr stream
         assert e["SYSLOG_IDENTIFIER"] == "gpuwatchd"

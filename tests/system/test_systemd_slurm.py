@@ -43,6 +43,7 @@ from typing import Any
 
 import pytest
 
+from gpuwatchd.core.vocabulary import EventName
 from tests.support.container import _REASON as SYSTEMD_REASON
 from tests.support.container import CI_DIR, HARNESS, Container, wait_for
 from tests.support.debbuild import built_deb
@@ -363,7 +364,11 @@ def test_a_worker_that_outlives_its_job_is_freed_and_the_node_stays_up(cluster: 
     assert cluster.epilog_completed(job), "slurmd does not say the epilog completed"
 
     def signals() -> list[dict[str, Any]]:  # logged once the kill returned; journald lags
-        return [e for e in _events(cluster, "action.signal") if e.get("TARGET_PID") == str(worker)]
+        return [
+            e
+            for e in _events(cluster, EventName.ACTION_SIGNAL)
+            if e.get("TARGET_PID") == str(worker)
+        ]
 
     _until("the signal to the worker in the journal", lambda: bool(signals()), timeout=30)
     assert signals(), "no signal to the worker in the journal"
@@ -520,7 +525,7 @@ def test_the_rollout_week(cluster: Cluster) -> None:
         cluster.sh("systemctl reload gpuwatchd")
         _until("dry-run in force", lambda: any(
             e.get("GPUWATCHD_DRY_RUN") == "true" or e.get("DRY_RUN") == "true"
-            for e in _events(cluster, "config.reloaded")))  # fmt: skip
+            for e in _events(cluster, EventName.CONFIG_RELOADED)))  # fmt: skip
         preview = _preview(ct.run(["sh", "-c", PREVIEW_LOOP], timeout=300).stdout)
         assert len(preview) >= 20, sorted(preview)
         assert _delivered(preview["nohup-job"]) == 0, preview["nohup-job"]
@@ -548,7 +553,7 @@ def test_the_rollout_week(cluster: Cluster) -> None:
         assert would in _slurm_said(cluster)
         _until("the would-be signal to the worker", lambda: any(
             e.get("TARGET_PID") == str(worker) and e.get("OUTCOME") == "dry_run"
-            for e in _events(cluster, "action.signal")))  # fmt: skip
+            for e in _events(cluster, EventName.ACTION_SIGNAL)))  # fmt: skip
 
         def alive() -> bool:
             return ct.run(["kill", "-0", str(worker)], check=False).returncode == 0
@@ -558,8 +563,8 @@ def test_the_rollout_week(cluster: Cluster) -> None:
         # Day 5: spare the worker (its owner looks at it), pause, then enforce.
         cluster.sh(f"gpuwatchd spare {worker} --for 40s --reason 'owner looks at it'")
         cluster.sh("gpuwatchd pause --for 15s --reason 'switching to enforce'")
-        _until("the pause and the spare", lambda: bool(_events(cluster, "daemon.paused")
-               and _events(cluster, "spare.started")))  # fmt: skip
+        _until("the pause and the spare", lambda: bool(_events(cluster, EventName.DAEMON_PAUSED)
+               and _events(cluster, EventName.SPARE_STARTED)))  # fmt: skip
         # Logged as the poll takes the switches; `status` shows them once it has saved.
         _until("status to show the pause and the spare", lambda: (
             _status(cluster)[1]["effective_mode"] == "paused"
@@ -572,23 +577,25 @@ def test_the_rollout_week(cluster: Cluster) -> None:
         cluster.sh("systemctl reload gpuwatchd")
         _until("the pause to end by itself", lambda: any(
             "ended by itself" in str(e.get("GPUWATCHD_REASON"))
-            for e in _events(cluster, "daemon.resumed")), timeout=60)  # fmt: skip
+            for e in _events(cluster, EventName.DAEMON_RESUMED)), timeout=60)  # fmt: skip
         assert alive(), "the spared worker was signalled after the pause"
-        _until("the spare to end", lambda: bool(_events(cluster, "spare.ended")), timeout=60)
+        _until(
+            "the spare to end", lambda: bool(_events(cluster, EventName.SPARE_ENDED)), timeout=60
+        )
         _until("the worker to be freed", lambda: not alive(), timeout=60)
         cluster.idle()
         _until("the signal to the worker in the journal", lambda: any(  # logged after the kill
             e.get("TARGET_PID") == str(worker) and e.get("OUTCOME") == "delivered"
-            for e in _events(cluster, "action.signal")))  # fmt: skip
+            for e in _events(cluster, EventName.ACTION_SIGNAL)))  # fmt: skip
         events = [
             e.get("GPUWATCHD_EVENT")
             for e in cluster.journal("gpuwatchd.service")
-            if e.get("GPUWATCHD_EVENT") in ("spare.ended", "daemon.resumed")
+            if e.get("GPUWATCHD_EVENT") in (EventName.SPARE_ENDED, EventName.DAEMON_RESUMED)
             or (e.get("TARGET_PID") == str(worker) and e.get("OUTCOME") == "delivered")
         ]
-        assert events.index("daemon.resumed") < events.index("spare.ended")
-        assert events.index("spare.ended") < events.index("action.signal"), events
-        (ended,) = _events(cluster, "spare.ended")
+        assert events.index(EventName.DAEMON_RESUMED) < events.index(EventName.SPARE_ENDED)
+        assert events.index(EventName.SPARE_ENDED) < events.index(EventName.ACTION_SIGNAL), events
+        (ended,) = _events(cluster, EventName.SPARE_ENDED)
         assert ended["GPUWATCHD_WHY"] == "its time was up"
 
         # Day 6: NVML wedges, then answers again.
@@ -603,8 +610,12 @@ def test_the_rollout_week(cluster: Cluster) -> None:
         assert _status(cluster)[0] == 1
         assert "NVML:     wedged since" in cluster.sh("gpuwatchd status", check=False).stdout
         cluster.idle()
-        _until("nvml.recovered", lambda: bool(_events(cluster, "nvml.recovered")), timeout=90)
-        (back,) = _events(cluster, "nvml.recovered")
+        _until(
+            EventName.NVML_RECOVERED,
+            lambda: bool(_events(cluster, EventName.NVML_RECOVERED)),
+            timeout=90,
+        )
+        (back,) = _events(cluster, EventName.NVML_RECOVERED)
         assert back["GPUWATCHD_WAS"] == "wedged"
         assert float(back["GPUWATCHD_GONE_FOR"]) > 0
         _until("status to say NVML is ok", lambda: _status(cluster)[0] == 0, timeout=30)
@@ -636,7 +647,10 @@ def test_a_bad_drop_in_drains_nothing_and_shows_in_status(cluster: Cluster) -> N
     try:
         ct.write(TYPO_DROPIN, "interval: sometimes\n")
         assert cluster.sh("systemctl reload gpuwatchd", check=False).returncode != 0
-        _until("config.files_rejected", lambda: bool(_events(cluster, "config.files_rejected")))
+        _until(
+            EventName.CONFIG_FILES_REJECTED,
+            lambda: bool(_events(cluster, EventName.CONFIG_FILES_REJECTED)),
+        )
         # Logged before the poll; the state `status` reads is saved in it, STATUS sent after.
         _until("status to say the files are rejected", lambda: _status(cluster)[0] == 1)
         code, status = _status(cluster)
@@ -679,7 +693,9 @@ def test_a_bad_drop_in_drains_nothing_and_shows_in_status(cluster: Cluster) -> N
         cluster.sh("systemctl reload gpuwatchd")
         _until("status clear again", lambda: _status(cluster)[0] == 0)
         ct.write(TYPO_DROPIN, "interval: sometimes\n")
-        _until("the new typo said", lambda: len(_events(cluster, "config.files_rejected")) >= 2)
+        _until(
+            "the new typo said", lambda: len(_events(cluster, EventName.CONFIG_FILES_REJECTED)) >= 2
+        )
         job = cluster.submit("job-t3", "echo ran\n", gpus=2)
         assert cluster.wait_job(job, ("COMPLETED", "FAILED")) == "COMPLETED"
         cluster.ghost_on_gpu1()
@@ -807,13 +823,15 @@ def _spare_holds_the_jobs_worker(cluster: Cluster, body: str) -> tuple[str, str]
             return any(
                 e.get("TARGET_PID") == str(worker)
                 and str(e.get("GPUWATCHD_WHY", "")).startswith(f"spare: job slurm:{job}")
-                for e in _events(cluster, "action.refused")
+                for e in _events(cluster, EventName.ACTION_REFUSED)
             )
 
         _until("the spare to refuse the worker's ladder", refused, timeout=60)
         assert alive(), "the spared job's worker was signalled"
         assert not [
-            e for e in _events(cluster, "action.signal") if e.get("TARGET_PID") == str(worker)
+            e
+            for e in _events(cluster, EventName.ACTION_SIGNAL)
+            if e.get("TARGET_PID") == str(worker)
         ]
         cluster.sh(f"gpuwatchd spare --cancel job:{job}")
         _until("the worker to be freed once the spare is cancelled", lambda: not alive())

@@ -201,7 +201,16 @@ class Cluster:
         return "DRAIN" in self.node()["State"]
 
     def wait_idle(self, what: str, timeout: float = 60) -> None:
-        wait_for(what, lambda: self.node()["State"] == "IDLE", timeout=timeout, step=0.5)
+        try:
+            wait_for(what, lambda: self.node()["State"] == "IDLE", timeout=timeout, step=0.5)
+        except pytest.fail.Exception as failed:
+            # A drain not lifted: what the node, the drain record and the timer said (diagnosis).
+            said = self.sh(
+                "cat /var/lib/gpuwatchd-slurm/* 2>&1; journalctl -u gpuwatchd-slurm-undrain"
+                " -n 30 --no-pager -o short-monotonic 2>&1",
+                check=False,
+            ).stdout
+            pytest.fail(f"{failed}; node {self.node()}; the record and the timer:\n{said}")
 
     def submit(self, name: str, body: str, gpus: int = 1) -> int:
         """sbatch a job script (as root) asking for ``gpus`` GPUs; its job ID."""

@@ -428,7 +428,7 @@ def test_a_check_that_cannot_run_drains_but_a_policy_problem_does_not(tmp_path: 
 def host_clean_after_slurm_replaced_our_reason(arg: dict[str, Any], root: Path) -> dict[str, Any]:
     """Clean GPUs, no daemon. Slurm's own "Prolog error"/"Epilog error" over a drain we asked
     for (our record, from just before) is ours; the same reason without a record, or long after
-    ours, is not; a record outlives no undrained node."""
+    ours, is not; a record outlives no undrained node, unless it is from the last minute."""
     with SimHost(root, gpus=2) as host:
         host.nvml([gpu(0), gpu(1)])
         slurm = Slurm(host, host.config())
@@ -448,6 +448,13 @@ def host_clean_after_slurm_replaced_our_reason(arg: dict[str, Any], root: Path) 
         slurm.set_node("IDLE", "")
         out["undrained"] = slurm.script("undrain", None)
         out["record_when_undrained"] = slurm.record()
+        # Another run of the scripts has just written its record and not yet drained.
+        slurm.write_record(time.time(), "gpuwatchd: GPU-x orphaned")
+        out["in_flight"] = slurm.script("undrain", None)
+        out["record_in_flight"] = slurm.record()
+        slurm.write_record(time.time() + 3600, "gpuwatchd: GPU-x orphaned")
+        out["from_the_future"] = slurm.script("undrain", None)
+        out["record_from_the_future"] = slurm.record()
         slurm.write_record(now - 5, "gpuwatchd: GPU-x orphaned")
         slurm.set_node("IDLE+DRAIN", "Prolog error", at=now)
         out["prolog_over_replaced"] = slurm.script("prolog", "0")
@@ -465,6 +472,12 @@ def test_slurms_own_reason_over_our_drain_is_ours_only_by_the_record(tmp_path: P
         assert r[name]["node"]["state"] == "IDLE+DRAIN", name
     assert r["undrained"]["updates"] == []
     assert r["record_when_undrained"] is None
+    # A record written in the last minute may be a drain still being asked for: it stays, or
+    # Slurm's reason over that drain would be no one's and the drain never lifted.
+    assert r["in_flight"]["updates"] == []
+    assert r["record_in_flight"] is not None
+    assert r["from_the_future"]["updates"] == []
+    assert r["record_from_the_future"] is None
     # A clean prolog lifts the drain Slurm renamed, as it lifts one with our reason.
     assert r["prolog_over_replaced"]["code"] == 0
     assert r["prolog_over_replaced"]["updates"] == [RESUME]

@@ -110,22 +110,33 @@ def note_resume(state_dir: StateDir, reason: str) -> None:
     state_dir.write(RESUMED_FILE, RESUMED.encode(body))
 
 
-def _take_resume_note(state_dir: StateDir) -> str | None:
-    """The note's reason, read and removed under the switches' lock (a newer note landing in
-    between is never removed unread); the lock held 2 s by another: None, the note left."""
+def _take(state_dir: StateDir, name: str, limit: int) -> bytes | None:
+    """The switch file ``name`` (``b""``: untrusted or unreadable), read and removed under the
+    switches' lock (a newer one landing in between is never removed unread); None when there
+    is none or it was not removed (the lock held 2 s by another: left for the next poll)."""
     try:
-        state_dir.read(RESUMED_FILE, 0)  # no note, as at nearly every poll: no lock taken
+        state_dir.read(name, 0)  # none, as at nearly every poll: no lock taken
     except FileNotFoundError:
         return None
     except OSError:
         pass  # removed below
-    raw = b""  # untrusted or unreadable: never shown, never left to explain a later one
+    raw = None
     with contextlib.suppress(OSError), state_dir.switch_lock():
-        with contextlib.suppress(OSError):
-            raw = state_dir.read(RESUMED_FILE, MAX_PAUSE_FILE)
-        state_dir.remove(RESUMED_FILE)
+        try:
+            raw = state_dir.read(name, limit)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            raw = b""  # not a trusted file: taken all the same, its bytes unused
+        if not state_dir.remove(name):
+            raw = None
+    return raw
+
+
+def _take_resume_note(state_dir: StateDir) -> str | None:
+    """The note's reason, taken (:func:`_take`); None when there is none or it says none."""
     try:
-        reason = RESUMED.load(raw).get("reason")
+        reason = RESUMED.load(_take(state_dir, RESUMED_FILE, MAX_PAUSE_FILE) or b"").get("reason")
     except ValueError:
         return None
     return reason[:MAX_REASON] if isinstance(reason, str) and reason else None
@@ -183,15 +194,9 @@ def clear_latches(state_dir: StateDir) -> None:
 def take_clear_latches(state_dir: StateDir) -> float | None:
     """When ``resume --clear-latches`` asked (wall time; ``math.inf``: unknown, every latch
     lifted), once (the request is consumed); None: no request. Whatever the entry is (a file,
-    a link), removing it is the request; one that cannot be removed is not taken (it would be
-    taken again at every poll)."""
-    try:
-        raw = state_dir.read(CLEAR_LATCHES_FILE, 64)
-    except FileNotFoundError:
-        return None
-    except OSError:
-        raw = b""  # not a trusted file: a request all the same, of no known time
-    if not state_dir.remove(CLEAR_LATCHES_FILE):
+    a link), removing it is the request (:func:`_take`); one that cannot be removed is not
+    taken (it would be taken again at every poll)."""
+    if (raw := _take(state_dir, CLEAR_LATCHES_FILE, 64)) is None:
         return None
     try:
         made = as_number(float(raw))

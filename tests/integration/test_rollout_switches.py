@@ -265,6 +265,24 @@ def test_a_resume_note_left_after_the_daemons_read_of_the_last_is_never_removed_
     assert "gpuwatchd resume: new" in (taken, later)
 
 
+@pytest.mark.parametrize("nth_read", [1, 2])
+def test_a_clear_latches_request_left_after_the_daemons_read_of_the_last_is_never_lost(
+    state: StateDir, nth_read: int
+) -> None:
+    """The daemon read the clear-latches request, then removed the file without the switches'
+    lock: a ``resume --clear-latches`` landing in between (run again after ``kept``, as
+    docs/operations.md says) was removed unread, its latches never lifted."""
+    state.write(pause.CLEAR_LATCHES_FILE, b"1000.0\n")
+
+    def resume_clearing(own: StateDir) -> None:
+        set_pause(own, reason=None, clear=True)
+
+    with admin_in_the_daemons_read(state, nth_read, resume_clearing):
+        taken = pause.take_clear_latches(state)
+    later = pause.take_clear_latches(state)
+    assert max(t or 0.0 for t in (taken, later)) > 1000.0  # the new request's time, taken
+
+
 def test_a_new_pause_discards_the_note_of_a_resume_the_daemon_never_saw(
     state: StateDir, tmp_path: Path
 ) -> None:

@@ -149,14 +149,20 @@ def pause_in_force(state_dir: StateDir, clock: BootTime, *, max_pause: float) ->
     return _in_force(read_pause_switch(state_dir), clock, max_pause)
 
 
-def _in_force(switch: PauseSwitch | None, clock: BootTime, max_pause: float) -> Pause:
-    if switch is None:
-        return Pause(None)
-    # Its own end, else (a pause from before pauses had one) ``max_pause`` after it was set;
-    # never more than ``max_pause`` from now (docs/internals.md). None: neither is known.
+def _own_left(switch: PauseSwitch, clock: BootTime, max_pause: float) -> float | None:
+    """Seconds left to its own end, else (a pause from before pauses had one) to ``max_pause``
+    after it was set; None: neither is known."""
     left = None if switch.stamp is None else clock.left(switch.stamp)
     if left is None and switch.since is not None:
         left = switch.since + max_pause - clock.wall
+    return left
+
+
+def _in_force(switch: PauseSwitch | None, clock: BootTime, max_pause: float) -> Pause:
+    if switch is None:
+        return Pause(None)
+    # Never more than ``max_pause`` from now (docs/internals.md).
+    left = _own_left(switch, clock, max_pause)
     if left is None:
         return Pause(switch.reason)
     left = min(left, max_pause)
@@ -179,7 +185,7 @@ def poll_pause(state_dir: StateDir, clock: BootTime, *, max_pause: float) -> Pau
         note = _take_resume_note(state_dir)
         return Pause(None, resumed=f"gpuwatchd resume: {note}" if note else "gpuwatchd resume")
     elif switch is not None and now.until is not None:
-        own = clock.left(switch.stamp or {})
+        own = _own_left(switch, clock, max_pause)
         if own is not None and own > now.until - clock.wall + 1.0:  # cut: into its file
             end = clock.stamp(now.until - clock.wall)
             body = {**(switch.stamp or {}), "until": end["until"], "until_boot": end["until_boot"]}

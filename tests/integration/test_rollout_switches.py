@@ -110,18 +110,23 @@ def test_a_pause_without_an_end_lasts_max_pause_from_when_it_was_set(state: Stat
     assert poll_pause(state, BootTime(NOW + 3600, 2.0, "b1"), max_pause=3600).reason is None
 
 
-@pytest.mark.parametrize("written", ["under a longer limit", "by hand, without a start"])
+@pytest.mark.parametrize(
+    "written", ["under a longer limit", "by hand, without a start", "without an end, set ahead"]
+)
 def test_a_pause_longer_than_max_pause_is_cut_to_it_and_the_cut_written(
     state: StateDir, written: str
 ) -> None:
     """A pause file saying "until next year" (written before a reload lowered
     ``limits.max_pause``, or by hand) held for a year: as a spare, it is cut to ``max_pause``
     from when it is first read (a lowered limit shortens a pause, never ends it at once); the
-    cut is written into the file, so it holds at the next poll and after a restart."""
+    cut is written into the file, so it holds at the next poll and after a restart. One with
+    no end, set a year ahead (by hand, or under a clock set back since), held a year too: its
+    end, max_pause after its start, moved with every poll and no cut was written."""
     if written == "under a longer limit":
         set_pause(state, reason="r", clock=BootTime(NOW, 1000.0, "b1"), seconds=365 * DAY)
     else:
-        state.write(PAUSE_FILE, json.dumps({"reason": "r", "until": NOW + 365 * DAY}).encode())
+        key = "until" if written == "by hand, without a start" else "since"
+        state.write(PAUSE_FILE, json.dumps({"reason": "r", key: NOW + 365 * DAY}).encode())
     end = NOW + 10 + DAY
     first = BootTime(NOW + 10, 1010.0, "b1")
     assert pause.pause_in_force(state, first, max_pause=DAY).until == end

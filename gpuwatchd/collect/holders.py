@@ -183,13 +183,18 @@ class DeviceFiles:
 
     def major(self, name: str) -> int | None:
         """A driver's (``nvidia-uvm``, ``nvidia-caps``) dynamic major from ``/proc/devices``,
-        read once; None when absent."""
+        read once; None when absent (looked up again after :meth:`forget_absent`)."""
         if name not in self._majors:
             majors = self.procfs.char_device_majors()
             if majors is None:
                 return None  # try again next time
             self._majors[name] = majors.get(name)
         return self._majors[name]
+
+    def forget_absent(self) -> None:
+        """Forget the drivers found absent: nvidia-uvm is loaded on demand (by the first CUDA
+        program's nvidia-modprobe), maybe after the daemon started; each scan looks again."""
+        self._majors = {name: found for name, found in self._majors.items() if found is not None}
 
     def match_rdev(self, st: os.stat_result) -> _Match | None:
         if not stat.S_ISCHR(st.st_mode):
@@ -261,6 +266,7 @@ class HolderScanner:
         else exactly ``pids`` ("targeted"). Skips ourselves, ``exclude`` and kernel threads."""
         candidates = self.procfs.list_pids() if pids is None else list(dict.fromkeys(pids))
         skip = {self.procfs.self_pid, *exclude}
+        self.devices.forget_absent()
         if pids is None:
             skip |= self.procfs.kernel_threads()
         todo = [pid for pid in candidates if pid not in skip and pid > 0]

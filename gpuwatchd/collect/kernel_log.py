@@ -42,9 +42,11 @@ RESTART_AFTER = 60.0  # seconds before a journalctl that ended is started again
 _READ = 65536
 
 # "NVRM: Xid (PCI:0000:17:00): 79, pid=1234, name=python3, GPU has fallen off the bus."
-# The PCI address: domain, bus, device (the driver prints no function; some print ".0").
+# The PCI address: domain, bus, device (the driver prints no function; some print ".0"), then
+# on a MIG GPU the instance the driver attributes it to ("PCI:0000:17:00 GPU-I:05 GPU-CI:00").
 _XID = re.compile(
-    r"NVRM: Xid \(PCI:(?P<pci>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})(?:\.[0-7])?\): "
+    r"NVRM: Xid \(PCI:(?P<pci>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})(?:\.[0-7])?"
+    r"(?: GPU-I:[0-9]{1,5}(?: GPU-CI:[0-9]{1,5})?)?\): "
     r"(?P<xid>[0-9]{1,5})(?:, (?P<rest>.*))?"
 )
 _PID = re.compile(r"pid=(?:(?P<pid>[0-9]{1,7})|'?<unknown>'?)")

@@ -225,6 +225,16 @@ def test_device_number_mode_falls_back_to_the_root_path_when_its_inode_matches(
     assert scan.holdings[760].gpu_minors_map == {3}
 
 
+def test_nvidia_uvm_loaded_after_a_scan_is_recognised_at_the_next(fake: FakeProc) -> None:
+    """nvidia-uvm is loaded on demand (by the first CUDA program's nvidia-modprobe), often after
+    the daemon started: a major absent from /proc/devices is looked up again by the next scan."""
+    fake.add(780, fds={3: "/dev/tty", 4: "/dev/null"})  # 5:0 stands for nvidia-uvm, 1:3 GPU 3
+    holders = scanner(str(fake.root), match_by_path=False, device_major=1)
+    assert not holders.scan().holdings[780].uvm
+    fake.write("devices", "Character devices:\n  1 mem\n  5 nvidia-uvm\n195 nvidia-frontend\n")
+    assert holders.scan().holdings[780].uvm
+
+
 def test_device_number_mode_falls_back_to_the_name_and_says_so(fake: FakeProc) -> None:
     fake.add(770)
     fake.add_mapping(770, "/dev/nvidia2")

@@ -50,6 +50,19 @@ from gpuwatchd.core.model import CgroupInfo, ProcessInfo
             "NVRM: Xid (PCI:0000:17:00): 13, pid=8, name=Web Content, SM",
             XidLine("0000:17:00", 13, 8, "Web Content", "SM"),
         ),
+        # A MIG GPU's Xid is attributed to its GPU (and compute) instance (NVIDIA's A100 GPU
+        # memory error management guide; the driver's krcReportXid): the GPU's all the same.
+        (
+            "NVRM: Xid (PCI:0000:01:00 GPU-I:05): 94, pid=7194, Contained: CE User Channel (0x9)",
+            XidLine("0000:01:00", 94, 7194, None, "Contained: CE User Channel (0x9)"),
+        ),
+        (
+            "NVRM: Xid (PCI:0000:3b:00 GPU-I:01 GPU-CI:02): 13, pid=9, name=a, Graphics Exception",
+            XidLine("0000:3b:00", 13, 9, "a", "Graphics Exception"),
+        ),
+        ("NVRM: Xid (PCI:0000:3b:00 GPU-CI:02): 13, x", None),  # a compute instance alone
+        ("NVRM: Xid (PCI:0000:3b:00 GPU-I:): 13, x", None),
+        ("NVRM: Xid (PCI:0000:3b:00 GPU-I:1 x): 13, x", None),
         ("NVRM: Xid (PCI:0000:17:00): 13, pid=8, name=, SM", None),
         ("NVRM: Xid (PCI:0000:17:00): 13, pid=8, name=" + "n" * 65 + ", SM", None),
         ("NVRM: Xid (PCI:0000:17:00): 95, pid=12x, name=a, x", None),  # malformed pid

@@ -318,6 +318,17 @@ def test_every_problem_is_reported_in_file_order() -> None:
     assert len(str(err).splitlines()) == 3
 
 
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("off", "off"), ("Off", "off"), ("'off'", "off"), ("journal", "journal"), ("/k", "/k")],
+)
+def test_health_kernel_log_takes_off_as_policy_md_spells_it(text: str, value: str) -> None:
+    # YAML 1.1 reads a bare off as boolean false: the documented spelling must not be refused.
+    policy = parse(f"health: {{kernel_log: {text}}}\n")
+    assert policy.health.kernel_log == value
+    assert parse(render_policy(policy)).health == policy.health
+
+
 def test_empty_document_is_an_empty_mapping() -> None:
     assert without_sources(parse("")) == Policy()
     assert without_sources(parse("# only a comment\n")) == Policy()

@@ -285,12 +285,13 @@ def _policy(args: argparse.Namespace) -> Policy:
 
 def _check_config(args: argparse.Namespace) -> int:
     from gpuwatchd.config.schema import render_policy
+    from gpuwatchd.core.escape import escape
 
     policy = load_policy_or_exit(args.file or args.config, required=True)
     if not args.quiet:
         sys.stdout.write(render_policy(policy))
     files = ", ".join(policy.sources) or "(built-in defaults)"
-    print(f"# OK: {files}", file=sys.stderr)
+    print(f"# OK: {escape(files)}", file=sys.stderr)
     return ExitCode.OK
 
 

@@ -285,9 +285,9 @@ def spared_text(row: Mapping[str, object], now: float | None) -> str:
 
 
 def spared_lines(entries: Sequence[Mapping[str, object]], now: float | None) -> list[str]:
-    """One line per spared entry: ``pid 4242 spared until …``."""
+    """One line per spared entry: ``pid 4242 spared until …``, escaped (the reason is text)."""
     return [
-        f"pid {entry.get('pid')} {spared_text(as_map(entry.get('spared')), now)}"
+        escape(f"pid {entry.get('pid')} {spared_text(as_map(entry.get('spared')), now)}")
         for entry in entries
         if isinstance(entry.get("spared"), Mapping)
     ]

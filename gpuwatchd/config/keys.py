@@ -220,6 +220,14 @@ def _read_abs_path(node: Node) -> str:
     return value
 
 
+def _read_kernel_log(node: Node) -> str:
+    """``health.kernel_log``: journal, off (written bare, YAML's boolean false) or a path."""
+    if scalar(node) is False:
+        return "off"
+    value = _read_string(node)
+    return value if value in ("journal", "off") else _read_abs_path(node)
+
+
 def _read_textfile(node: Node) -> str | None:
     """``metrics.textfile``: null or "" (none), else an absolute path to a ``.prom`` file."""
     if isinstance(node, Scalar) and (node.value is None or node.value == ""):
@@ -394,9 +402,7 @@ def _same(value: Any) -> object:
 BOOL = Value(_read_bool, _same)
 STRING = Value(_read_string, _same)
 ABS_PATH = Value(_read_abs_path, _same)
-KERNEL_LOG = Value(
-    lambda n: s if (s := _read_string(n)) in ("journal", "off") else _read_abs_path(n), _same
-)
+KERNEL_LOG = Value(_read_kernel_log, _same)
 STRINGS = list_of(STRING)
 REGEX = Value(_read_regex, lambda pattern: pattern.pattern)
 REGEXES = list_of(REGEX)

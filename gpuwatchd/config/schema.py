@@ -42,6 +42,7 @@ from gpuwatchd.config.yamlsrc import (
     load_document,
     shown,
 )
+from gpuwatchd.core.escape import escape
 from gpuwatchd.core.model import FindingKind
 from gpuwatchd.core.paths import DEFAULT_CONFIG_PATH
 from gpuwatchd.decide import kinds
@@ -402,7 +403,8 @@ def render_policy(policy: Policy) -> str:
     parses back to an equal policy (``sources`` aside, which the header comment lists)."""
     header = "# Effective gpuwatchd policy"
     if policy.sources:
-        header += ", merged from:\n" + "".join(f"#   {source}\n" for source in policy.sources)
+        # A name is one comment line whatever it holds: escaped, a newline in it ends no line.
+        header += ", merged from:\n" + "".join(f"#   {escape(s)}\n" for s in policy.sources)
     else:
         header += " (built-in defaults)\n"
     return header + yaml.safe_dump(

@@ -16,6 +16,7 @@ from gpuwatchd.act.reset_target import (
     ResetTarget,
     prepare_commands,
 )
+from gpuwatchd.cli.main import main as cli_main
 from gpuwatchd.config.files import (
     check_config_permissions,
     read_leading_files,
@@ -35,6 +36,7 @@ from gpuwatchd.decide.argv import MAX_ARGS as MAX_RECORDED_ARGS
 from gpuwatchd.decide.argv import MAX_COMMANDS as MAX_RECORDED_COMMANDS
 from gpuwatchd.decide.argv import MAX_FILLED_CHARS as MAX_RECORDED_CHARS
 from gpuwatchd.decide.policy import Hook, Policy, Step
+from gpuwatchd.state.accepted import render_accepted
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "config" / "gpuwatchd.yaml"
@@ -316,6 +318,17 @@ def test_every_problem_is_reported_in_file_order() -> None:
     err = error_of("interval: 5x\ndry_run: 2\nlog: {format: xml}\n")
     assert [p.line for p in err.problems] == [1, 2, 3]
     assert len(str(err).splitlines()) == 3
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("off", "off"), ("Off", "off"), ("'off'", "off"), ("journal", "journal"), ("/k", "/k")],
+)
+def test_health_kernel_log_takes_off_as_policy_md_spells_it(text: str, value: str) -> None:
+    # YAML 1.1 reads a bare off as boolean false: the documented spelling must not be refused.
+    policy = parse(f"health: {{kernel_log: {text}}}\n")
+    assert policy.health.kernel_log == value
+    assert parse(render_policy(policy)).health == policy.health
 
 
 def test_empty_document_is_an_empty_mapping() -> None:
@@ -639,6 +652,26 @@ def test_drop_ins_are_read_in_name_order_and_recorded_as_sources(tmp_path: Path)
         str(conf_d / "10-early.yaml"),
         str(conf_d / "20-late.yaml"),
     )
+
+
+def test_a_drop_in_name_with_a_newline_leaves_the_rendered_policy_readable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The names are comments of check-config's output and of the saved accepted policy: one
+    # line each, or the rest of the name is read as YAML (the fallback then never loads).
+    name = "10-a\nstate_dir: x\x1b[2J.yaml"
+    main_file = write_config(tmp_path, MAIN, {name: "interval: 7s\n"})
+    policy = load_policy(str(main_file), check_permissions=False)
+    assert policy.sources[1].endswith(name)
+    for rendered in (render_policy(policy), render_accepted(policy)):
+        assert "\x1b" not in rendered
+        assert "#   " + str(main_file.parent / "conf.d" / "10-a\\nstate_dir") in rendered
+        assert without_sources(parse(rendered)) == without_sources(policy)
+    assert cli_main(["check-config", str(main_file)]) == 0
+    out, err = capsys.readouterr()
+    assert without_sources(parse(out)) == without_sources(policy)
+    assert err.startswith("# OK: ")
+    assert err.count("\n") == 1
 
 
 def test_merge_semantics_rules_by_name_lists_replace_mappings_merge(tmp_path: Path) -> None:

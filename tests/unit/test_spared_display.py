@@ -137,3 +137,14 @@ def test_scan_reads_the_spares_gpuwatchd_spare_wrote(tmp_path: Path) -> None:
         ("job:slurm:42", "bench", os.getuid())
     ]
     assert spares_in_force(None, POLICY, now) == ()
+
+
+def test_scan_text_escapes_a_spare_reason_as_every_other_value() -> None:
+    # A reason pasted from a ticket, or a report from elsewhere: a newline or an escape
+    # sequence must not start a line of its own or repaint the terminal (threat-model.md).
+    snapshot = orphaned_worker()
+    spare = spare_of_201(snapshot, reason="debug\n  verdict  clean\x1b[2J")
+    text = render_text(scan_report(snapshot, (spare,)))
+    assert "\x1b" not in text
+    assert "\n  verdict  clean" not in text
+    assert f"by {ROOT}: debug\\n  verdict  clean\\x1b[2J" in text

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuwatchd.act.signals import read_stat
 from gpuwatchd.core.checked import as_count
 from gpuwatchd.core.codec import decode_json_object
 from gpuwatchd.core.model import as_int
@@ -351,11 +352,12 @@ def _settle(
 
 
 def _kill_keeper(proc: subprocess.Popen[bytes], marker: bytes) -> None:
-    """The fallback when the keeper failed: SIGKILL to the command's process group and to every
-    process that carries its marker (a setsid child that kept its environment)."""
+    """The fallback when the keeper failed: SIGKILL to the keeper's session (the command, in a
+    process group of its own) and to every process that carries its marker (a setsid child
+    that kept its environment)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    kill_marked(marker)
+    kill_marked(marker, session=proc.pid)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=_REAP_AFTER_KILL)
 
@@ -376,10 +378,10 @@ def _carries(pid: int, marker: bytes) -> bool:
         return False
 
 
-def kill_marked(marker: bytes) -> None:
-    """SIGKILL every process whose environment carries ``marker`` (``NAME=value``), read once
-    its pidfd is open: the signal goes through that pidfd, so a PID reused meanwhile is never
-    hit."""
+def kill_marked(marker: bytes, *, session: int | None = None) -> None:
+    """SIGKILL every process whose environment carries ``marker`` (``NAME=value``) or that is in
+    ``session``, read once its pidfd is open: the signal goes through that pidfd, so a PID
+    reused meanwhile is never hit."""
     for name in os.listdir("/proc"):
         if not name.isascii() or not name.isdigit() or int(name) == os.getpid():
             continue
@@ -388,7 +390,8 @@ def kill_marked(marker: bytes) -> None:
         except OSError:
             continue
         try:
-            if _carries(int(name), marker):
+            stat = None if session is None else read_stat("/proc", int(name))
+            if (stat is not None and stat.session == session) or _carries(int(name), marker):
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
         except OSError:
             pass

@@ -131,7 +131,7 @@ def main(argv: list[str]) -> int:
     child: int | None = None
     try:
         try:
-            child = os.posix_spawnp(command[0], command, dict(os.environ))
+            child = os.posix_spawnp(command[0], command, dict(os.environ), setpgroup=0)
         except OSError as err:
             report["error"] = f"cannot run {command[0]}: {err.strerror or err}"
         else:

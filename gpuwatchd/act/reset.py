@@ -84,6 +84,7 @@ class Procedure:
     units_stopped: list[str] = field(default_factory=list)  # the units stop_monitors stopped
     reset_started: bool = False
     result: ResetResult | None = None
+    needs_reboot: bool = False  # the result's: recorded, so a resume of the undo says it too
     commands_done: int = 0  # a MIG recovery's commands that completed (run_recovery)
     rebooted: bool = False  # the resume of another boot's reset: its records say so too
     notes: list[str] = field(default_factory=list)
@@ -104,6 +105,8 @@ class Procedure:
             data["commands_done"] = self.commands_done
         if self.rebooted:  # a crash during its undo must not make it this boot's reset
             data["rebooted"] = True
+        if self.needs_reboot:
+            data["needs_reboot"] = True
         try:
             self.env.record_step(self.target, step, data)
         except Exception as err:  # any failure to persist is the same problem
@@ -227,7 +230,7 @@ class Procedure:
         undo: bool = False,
     ) -> ResetOutcome:
         """End with ``result``; ``undo``: recorded as the reset's result and undone first."""
-        self.result = result
+        self.result, self.needs_reboot = result, needs_reboot
         if undo:
             self.restore(result, reason)
         reason = "; ".join([reason, *self.notes])

@@ -154,7 +154,9 @@ def resume_interrupted(
         return check_after_reset(proc, interrupted, resumed=True)
 
     reason = f"interrupted at step {step.value}; reset result was {proc.result}; finished"
-    return proc.finish(proc.result, ResetStep.DONE, reason, undo=True)
+    return proc.finish(
+        proc.result, ResetStep.DONE, reason, needs_reboot=proc.needs_reboot, undo=True
+    )
 
 
 def _to_check(proc: Procedure, step: ResetStep) -> bool:
@@ -193,6 +195,7 @@ def _progress_from(proc: Procedure, record: Mapping[str, object]) -> None:
     # An unknown recorded result is no result: the GPU is checked again below.
     result = as_one_of(*ResetResult)(record.get("result"))
     proc.result = None if result is None else ResetResult(result)
+    proc.needs_reboot = record.get("needs_reboot") is True  # once the result needed one
 
 
 def _resume_recovery(proc: Procedure, recovery: InstanceRecovery, done: int | None) -> ResetOutcome:

@@ -17,17 +17,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpuwatchd.core.model import ProcessIdentity
-from gpuwatchd.core.procstat import parse_stat
+from gpuwatchd.core.procstat import StatFields, parse_stat
 from gpuwatchd.core.vocabulary import SignalOutcome
+
+
+def read_stat(proc_root: str, pid: int) -> StatFields | None:
+    """``<proc_root>/PID/stat`` parsed; None if unknown."""
+    try:
+        with open(os.path.join(proc_root, str(pid), "stat"), "rb") as stat_file:
+            return parse_stat(stat_file.read().decode("utf-8", "replace"))
+    except OSError:
+        return None
 
 
 def stat_start_ticks(proc_root: str, pid: int) -> tuple[int, str] | None:
     """``(start ticks, state letter)`` of ``PID`` from ``<proc_root>/PID/stat``; None if unknown."""
-    try:
-        with open(os.path.join(proc_root, str(pid), "stat"), "rb") as stat_file:
-            fields = parse_stat(stat_file.read().decode("utf-8", "replace"))
-    except OSError:
-        return None
+    fields = read_stat(proc_root, pid)
     return None if fields is None else (fields.starttime, fields.state)
 
 

@@ -298,3 +298,56 @@ def test_run_once_exits_with_no_process_of_its_hooks_left(tmp_path: Path) -> Non
     assert out["code"] == 0, out["out"]
     assert out["escaped"] is not None, out["out"]
     assert not out["alive_after_exit"], "run --once exited with its hook's child running"
+
+
+# The command cleans up after itself as hook scripts do (`trap 'kill 0' EXIT`): a signal to
+# its whole process group, which it ignores itself, then it waits for its child and exits 0.
+SIGNALS_ITS_GROUP = """
+import os, signal, subprocess, sys
+child = subprocess.Popen(["sleep", "1000"])
+signum = getattr(signal, sys.argv[1])
+signal.signal(signum, signal.SIG_IGN)
+os.kill(0, signum)
+print("child ended", child.wait(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGHUP"])
+def test_a_command_that_signals_its_own_process_group_is_neither_cancelled_nor_failed(
+    signum: str,
+) -> None:
+    """Its `kill 0` reaches its own process group only: never its keeper, which took a
+    SIGTERM for the daemon cancelling it ("cancelled: the daemon stopped", a drain hook that
+    refused every reset) and died of a SIGHUP ("its keeper failed")."""
+    result = run_command([sys.executable, "-c", SIGNALS_ITS_GROUP, signum], timeout=10)
+    assert result.ok, result.describe()
+    assert result.returncode == 0
+    assert not result.cancelled
+    assert f"child ended -{getattr(signal, signum)}" in result.output
+
+
+def test_a_command_whose_keeper_died_is_killed_with_its_session_environment_or_not(
+    tmp_path: Path,
+) -> None:
+    """The fallback when a keeper fails: the command (its environment cleared, so without its
+    marker, in a process group of its own) is in the keeper's session, and dies with it."""
+    pid_file = tmp_path / "pids"
+    script = f"echo $$ $PPID > {pid_file}; exec env -i sleep 1000"
+    results: list[CommandResult] = []
+    runner = threading.Thread(
+        target=lambda: results.append(run_command(["sh", "-c", script], timeout=30))
+    )
+    runner.start()
+    deadline = time.monotonic() + 10
+    while not pid_file.exists() or len(pid_file.read_text().split()) < 2:
+        assert time.monotonic() < deadline, "the command never started"
+        time.sleep(0.01)
+    command, keeper = (int(pid) for pid in pid_file.read_text().split())
+    try:
+        os.kill(keeper, signal.SIGKILL)  # this test's own child (run_command's keeper)
+        runner.join(20)
+        assert results, "run_command did not return"
+        assert "its keeper failed" in (results[0].error or "")
+        assert _gone(command), "the command outlived its failed keeper"
+    finally:
+        _cleanup(command)

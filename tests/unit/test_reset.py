@@ -570,6 +570,28 @@ def test_resume_after_the_reset_with_an_unhealthy_gpu_fails_and_needs_a_reboot(
     assert RESET not in smi.calls()
 
 
+@pytest.mark.parametrize("step", ["persistence_on", "after_hooks"])
+@pytest.mark.parametrize(("reset", "query"), [("fell_off_bus", "ok"), ("ok", "exit:1")])
+def test_a_reset_that_needs_a_reboot_still_does_after_a_crash_during_its_undo(
+    smi: FakeSmi, reset: str, query: str, step: str
+) -> None:
+    """The recorded result of a reset whose GPU needs a reboot (exit 15, unhealthy after it)
+    keeps saying so: a crash while persistence mode or the after hooks ran does not turn it
+    into a plain failure (no ``gpu.needs_reboot``)."""
+    smi.set(reset=reset, query=query)
+    record = records_of(smi)[step]
+    env = FakeEnvironment(smi)
+    outcome = resume_interrupted(record, make_policy(smi), env)
+    assert outcome is not None
+    assert outcome.result == "failed"
+    assert outcome.needs_reboot
+    assert env.finished()[0] == "critical"
+    assert RESET not in smi.calls()
+    another_boot = resume_interrupted({**record, "rebooted": True}, make_policy(smi), env)
+    assert another_boot is not None
+    assert not another_boot.needs_reboot, "the reboot happened since"
+
+
 def test_resume_after_the_reset_with_unknown_memory_counts_as_failed(smi: FakeSmi) -> None:
     record = records_of(smi)["reset"]
     outcome = resume_interrupted(record, make_policy(smi), FakeEnvironment(smi, memory=None))

@@ -646,7 +646,9 @@ class Engine:
             self.emit(EventName.RESET_CRASHED, Level.ERROR, gpu=intent.gpu, error=repr(err))
             crashed = f"the reset procedure crashed: {err!r}"
             outcome = ResetOutcome(ResetResult.FAILED, ResetStep.DONE, crashed, False, None, ())
-        return self._book_reset(intent, outcome, kept)
+        booked = self._book_reset(intent, outcome, kept)
+        self.checkpoint()  # the record gone and the outcome booked, in one save
+        return booked
 
     def _keep_evidence(self, step: Step) -> dict[str, object]:
         """Write the evidence file of ``step``: the step's event field naming it, or nothing
@@ -782,9 +784,9 @@ class Engine:
             hostname=self.hostname,
             fabric_wait=self._wait_for_fabric,
         )
-        self.state.reset_in_progress = None
-        self.checkpoint()
+        self.state.reset_in_progress = None  # saved with the outcome booked, as a reset's
         if outcome is None:
+            self.checkpoint()
             return
         uuid = record.get("uuid")  # the state file's, of an unreadable record too: shown cut
         self.emit(
@@ -812,7 +814,7 @@ class Engine:
                 layout=tuple(r for r in recoveries if r is not None),
             )
             self._carry_out_all(self._book_reset(intent, outcome))
-            self.checkpoint()
+        self.checkpoint()
 
     # --- the reset procedure's environment (act.reset_target.ResetEnvironment) -------------
 
@@ -895,11 +897,13 @@ class Engine:
 
     def record_step(self, target: ResetTarget, step: ResetStep, data: Mapping[str, object]) -> None:
         if step is ResetStep.DONE:
+            # Saved with the outcome booked (_reset, _resume): a crash before leaves the last
+            # step's record, whose resume books it, never a reset that no limit counts.
             self.state.reset_in_progress = None
-        else:
-            record = progress_record(target, step, data)
-            record["since"] = self.clock.wall()
-            self.state.reset_in_progress = record
+            return
+        record = progress_record(target, step, data)
+        record["since"] = self.clock.wall()
+        self.state.reset_in_progress = record
         if not self.checkpoint():
             # The procedure stops (and undoes what it did) rather than run a step a crash
             # would forget: act/reset.py treats a failed record as an abort.

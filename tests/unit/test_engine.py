@@ -474,8 +474,9 @@ def test_a_stop_during_a_poll_still_sends_its_signals_so_a_restart_never_skips_a
 
 
 def test_a_reset_in_flight_with_no_record_is_cleared_at_start_and_resets_go_on() -> None:
-    """A crash before the reset's first record (or after its last, before the booking) leaves
-    the marker alone: the start clears it, books nothing, and a later reset runs."""
+    """A crash before the reset's first record (or a state an older version saved after its
+    last, before the booking) leaves the marker alone: the start clears it, books nothing,
+    and a later reset runs."""
     pol = make_policy("reset: {confirm_for: 0s, cooldown: 1m}")
     first = rig(pol, ghost_host)
 
@@ -496,6 +497,51 @@ def test_a_reset_in_flight_with_no_record_is_cleared_at_start_and_resets_go_on()
     assert not second.sink.named(EventName.RESET_OUTCOME), "nothing is booked"
     second.poll_at(100.0)
     assert len(reset_commands(second)) == 1
+
+
+class _Killed(Exception):
+    """SIGKILL of the daemon: nothing after it runs."""
+
+
+@dataclass
+class _KilledAtTheBooking(Sink):
+    """The daemon is killed as a reset's outcome is booked (nothing of it saved yet)."""
+
+    def emit(self, name: str, level: str, fields: Mapping[str, object]) -> None:
+        super().emit(name, level, fields)
+        if name == EventName.RESET_OUTCOME:
+            raise _Killed
+
+
+@pytest.mark.parametrize("resumed", [False, True], ids=["reset", "resume"])
+def test_a_reset_killed_before_its_outcome_is_saved_is_booked_at_the_next_start(
+    resumed: bool,
+) -> None:
+    """Killed after a reset's last step, before the state booking its outcome was saved, the
+    start found no record: it booked nothing, so the cooldown did not count the reset and the
+    next poll reset the GPU again. The last step's record stays until the booking is saved."""
+    pol = make_policy("reset: {confirm_for: 0s, cooldown: 1h}")
+    state = _interrupted_during_the_reset(pol) if resumed else EngineState()
+    first = rig(pol, ghost_host, state=state)
+    saved: list[EngineState] = []
+
+    def checkpoint() -> bool:
+        now = first.engine.state
+        record = json.loads(json.dumps(now.reset_in_progress))
+        plan = PlanState.from_json(now.plan.to_json())
+        saved.append(EngineState(AssessState.from_json(now.assess.to_json()), plan, record))
+        return True
+
+    first.engine.checkpoint, first.engine.sink = checkpoint, _KilledAtTheBooking()
+    with contextlib.suppress(_Killed):
+        first.engine.resume_interrupted_reset() if resumed else first.poll_at(0.0)
+    assert len(reset_commands(first)) == 1 - resumed
+    second = rig(pol, ghost_host, state=saved[-1])
+    second.clock.now = 10.0
+    second.engine.resume_interrupted_reset()
+    assert [o["result"] for o in second.sink.named(EventName.RESET_OUTCOME)] == ["success"]
+    second.poll_at(60.0)
+    assert reset_commands(second) == [], "the cooldown counts the reset"
 
 
 def test_a_hostile_reset_in_flight_is_cleared_at_start_and_shown_cut() -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from gpuwatchd.core import checked
+from gpuwatchd.core.escape import escape
 
 # A policy file is a few kilobytes and a few hundred YAML nodes. PyYAML is pure Python here
 # (for its line marks): about 0.4 s per MiB of text and 25 us per node. The limits keep a
@@ -56,10 +57,11 @@ class ConfigError(Exception):
         super().__init__(message)
 
     def located(self) -> str:
-        """This problem alone, as ``file:line: key: message``."""
+        """This problem alone, as ``file:line: key: message`` (the file's name escaped: a drop-in's
+        name may hold a newline or an escape sequence)."""
         where = ""
         if self.path is not None:
-            where = self.path if self.line is None else f"{self.path}:{self.line}"
+            where = escape(self.path) if self.line is None else f"{escape(self.path)}:{self.line}"
             where += ": "
         if self.key:
             where += f"{self.key}: "

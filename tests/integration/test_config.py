@@ -672,6 +672,12 @@ def test_a_drop_in_name_with_a_newline_leaves_the_rendered_policy_readable(
     assert without_sources(parse(out)) == without_sources(policy)
     assert err.startswith("# OK: ")
     assert err.count("\n") == 1
+    # A problem in it is named by the escaped name, on one line.
+    (main_file.parent / "conf.d" / name).write_text("interval: soon\n")
+    assert cli_main(["check-config", str(main_file)]) == 78
+    err = capsys.readouterr().err
+    assert "10-a\\nstate_dir: x\\x1b[2J.yaml:1: interval: " in err, err
+    assert "\x1b" not in err
 
 
 def test_merge_semantics_rules_by_name_lists_replace_mappings_merge(tmp_path: Path) -> None:

@@ -280,13 +280,16 @@ def check_linear(pattern: re.Pattern[str]) -> None:
 
 @functools.lru_cache(maxsize=1024)
 def _search(pattern: str, flags: int, text: str) -> bool:
+    """A match ending in the first MAX_COMMAND_TEXT characters; the (at most two) characters
+    after them are there for the anchors at the cut (``$``, ``\\b``), which is no end."""
     states, start = _program(pattern, flags)
     current: list[int] = []
-    for pos in range(len(text) + 1):
+    end = min(len(text), MAX_COMMAND_TEXT)
+    for pos in range(end + 1):
         current, matched = _close(states, [*current, start], text, pos)
         if matched:
             return True
-        if pos == len(text):
+        if pos == end:
             break
         ch = text[pos]
         current = [
@@ -301,7 +304,7 @@ def command_search(pattern: re.Pattern[str], text: str) -> bool | None:
     """Whether ``pattern`` is found in ``text`` (``re.search``'s answer), in linear time; None
     (unknown) for no match in a longer text's searched part, or a pattern not linear."""
     try:
-        if _search(pattern.pattern, pattern.flags, text[:MAX_COMMAND_TEXT]):
+        if _search(pattern.pattern, pattern.flags, text[: MAX_COMMAND_TEXT + 2]):
             return True
     except NotLinear:
         return None

@@ -36,6 +36,7 @@ _UNLISTED = "NVML could not list its processes"
 _NO_MINOR = "its minor number is unknown: who holds its device file cannot be told"
 _MIG_UNKNOWN = "its MIG mode could not be read: processes may live in MIG instances not listed"
 _MIG_UNREAD = "its MIG instances could not all be read: processes may live in those not listed"
+_MIG_UNJUDGED = "its MIG instances could not be judged, nor the memory left in them: "
 # What the GPU itself says: dirt even while the host's processes are not seen.
 _GPU_FACTS = frozenset(
     {kind.value for kind in kinds.HEALTH}
@@ -222,6 +223,9 @@ class _Judge:
                 or any(d.gi is None or d.processes is None for d in gpu.mig_devices)
             ):
                 reasons.append(Reason(LeftoverName.PROCESSES_UNKNOWN, None, _MIG_UNREAD))
+            elif gpu.mig_enabled and self.snapshot.mig_caps is None:  # who uses which instance
+                why = _MIG_UNJUDGED + (self.snapshot.mig_caps_error or "mig-minors not read")
+                reasons.append(Reason(LeftoverName.PROCESSES_UNKNOWN, None, why))
             if gpu.minor is None:
                 reasons.append(Reason(LeftoverName.UNKNOWN_HOLDER, None, _NO_MINOR))
             reasons += dict.fromkeys(  # once, if unknown in several of a MIG GPU's instances

@@ -168,6 +168,31 @@ def test_a_finding_that_resolves_when_the_next_step_is_due_stops_the_ladder_ther
     assert result.state.ladders == {}
 
 
+@pytest.mark.parametrize("case", ["undecided", "NVML unavailable"])
+def test_a_finding_gone_for_a_poll_that_cannot_tell_holds_the_ladder(case: str) -> None:
+    """Another GPU's process list unread (or one lost) for a poll turns the orphan into a
+    hidden holder the orphan rule could not decide; NVML unavailable leaves no GPU to judge it
+    by. Unknown is not resolved: the ladder holds, tells nobody it was released, and goes on
+    with its SIGKILL (no second SIGTERM, no new wait) once the orphan is seen again."""
+    state = started(A)
+    snapshot = host(A).build()
+    findings = []
+    if case == "undecided":
+        findings = [replace(orphan(A, kind=FindingKind.HIDDEN_HOLDER, actionable=False),
+                            evidence={"uvm": True, "undecided": True})]  # fmt: skip
+    else:
+        snapshot = replace(snapshot, nvml=NvmlReading(available=False, error="timed out"))
+    flicker = poll(findings, snapshot, state, 10.0)
+    assert whys(flicker, EventName.ESCALATION_RESOLVED) == [], case
+    assert (signals(flicker), on_action(flicker)) == ([], []), case
+    assert f"{A}@{10_000 + A * 7}" in flicker.state.ladders, case
+    back = poll([orphan(A)], host(A).build(), flicker.state, 20.0)
+    assert signals(back) == [], case  # the SIGTERM's wait still runs
+    assert signals(poll([orphan(A)], host(A).build(), back.state, 30.0)) == [
+        (A, "SIGKILL", 2, False)
+    ], case
+
+
 def test_a_ladder_never_follows_another_process_or_a_report_only_finding() -> None:
     """A's orphan finding is gone; B's remains, and A is now described by a finding that is not
     actionable: A's ladder stops, it does not take over either."""

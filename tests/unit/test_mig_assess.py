@@ -120,6 +120,27 @@ def test_without_the_capability_table_a_mig_gpu_stays_report_only_and_says_why()
     assert all(f.gpu != GI1 for f in result.findings)
 
 
+@pytest.mark.parametrize("table", [True, False])
+def test_a_mig_gpu_whose_instances_cannot_be_judged_is_never_called_clean(table: bool) -> None:
+    """Ghost memory in GPU instance 1, nobody listed, nobody holding it: dirty when the
+    capability table is read; without it no instance (nor its memory) is judged, so the GPU is
+    unknown (processes_unknown, saying why), not clean."""
+    host = HostBuilder().gpu(0).build()
+    snapshot = with_mig(host, instances=[Inst(1, allocated=LEAK), Inst(2)], table=table)
+    (verdict,) = judge(snapshot, run(snapshot), Policy()).gpus
+    if table:
+        assert (verdict.state.value, [r.kind for r in verdict.reasons]) == (
+            "dirty",
+            ["ghost_memory"],
+        )
+    else:
+        assert verdict.state.value == "unknown"
+        ((kind, why),) = [(r.kind, r.text) for r in verdict.reasons]
+        assert kind == "processes_unknown"
+        assert why.startswith("its MIG instances could not be judged, nor the memory left in")
+        assert why.endswith(": mig_minors_file /x: No such file or directory")
+
+
 def test_an_instance_whose_process_list_is_unknown_leaves_its_holders_undecided() -> None:
     snapshot = leak_beside_live_job(
         instances=[

@@ -262,6 +262,34 @@ def test_a_line_of_exactly_the_searched_length_is_searched_whole() -> None:
     assert command_search(re.compile("x$"), exact) is True
 
 
+@pytest.mark.parametrize(
+    ("pattern", "after", "found"),
+    [
+        (r"train\.py$", " --resume", None),  # the cut is no end of the line
+        (r"train\.py\Z", " --resume", None),
+        (r"(?m)train\.py$", " --resume", None),
+        (r"train\.py\b", "x --resume", None),  # nor a word boundary
+        (r"train\.py\B", "x --resume", True),
+        (r"train\.py$", "\n", True),  # what follows the cut tells, as re.search is told
+        (r"train\.py\b", " --resume", True),
+    ],
+)
+def test_the_cut_of_a_longer_line_is_not_its_end(
+    pattern: str, after: str, found: bool | None
+) -> None:
+    """Only the first 4096 characters are searched, but an anchor at the 4096th is judged by
+    the line as it goes on: `train\\.py$` does not select a longer line whose first 4096
+    characters end in train.py (re.search would not find it), so no rule acts on that guess."""
+    head = "python3 " + "a" * (MAX_COMMAND_TEXT - len("python3  train.py")) + " train.py"
+    assert len(head) == MAX_COMMAND_TEXT
+    assert command_search(re.compile(pattern), head + after) is found
+    assert bool(re.search(pattern, head + after)) is bool(found)
+    host, finding = _orphan(tuple((head + after).split(" ")))
+    rule = Rule("r", FindingKind.ORPHANED, (Step("SIGTERM", 1.0),), commands=(re.compile(pattern),))
+    selected = rule_for(finding, host.build().processes[500], Policy(rules=(rule,)), lasted=60)
+    assert selected is (rule if found else None)
+
+
 def test_a_verbose_pattern_is_read_with_its_flags() -> None:
     verbose = re.compile(r"train \.py  # the script", re.VERBOSE)
     assert command_search(verbose, "python train.py") is True

@@ -40,6 +40,15 @@ def _stuck_finding(ctx: Ctx, target: str) -> Finding | None:
     return None
 
 
+def _cannot_tell(ctx: Ctx, target: str) -> bool:
+    """Whether this poll cannot tell that ``target`` is no leftover any more: a node-wide block
+    (NVML unavailable or wedged), or a finding about it the orphan rule could not decide."""
+    return ctx.blocked is not None or any(
+        f.evidence.get("undecided") is True and f.identity and target_key(f.identity) == target
+        for f in ctx.findings.values()
+    )
+
+
 def advance_ladders(w: Work, ctx: Ctx) -> None:
     """Move every ladder on: a target gone, reused or a zombie ends it; a live one steps."""
     for target, lad in sorted(w.ladders.items()):
@@ -78,7 +87,8 @@ def _advance_live_ladder(w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo) -> N
         _mark_stuck(w, ctx, lad, proc, "target is in uninterruptible sleep (D)")
         return
     if finding is None:
-        _close(w, lad, "finding resolved", ActionOutcome.RELEASED)
+        if not _cannot_tell(ctx, target):  # else unknown, so wait (nothing said, as above)
+            _close(w, lad, "finding resolved", ActionOutcome.RELEASED)
         return
     if lad.due is not None and ctx.now < lad.due:
         w.waiting[lad.finding_key] = lad.due

@@ -271,6 +271,7 @@ def test_a_line_of_exactly_the_searched_length_is_searched_whole() -> None:
         (r"train\.py\b", "x --resume", None),  # nor a word boundary
         (r"train\.py\B", "x --resume", True),
         (r"train\.py$", "\n", True),  # what follows the cut tells, as re.search is told
+        (r"train\.py$", "\n--resume", None),  # a newline that does not end the line
         (r"train\.py\b", " --resume", True),
     ],
 )

@@ -15,6 +15,7 @@ import structlog
 
 from gpuwatchd.cli.once import wait_for_daemon
 from gpuwatchd.cli.scan import answer_served, snapshot_report
+from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.capabilities import ACT_CAPABILITIES, missing_capabilities
 from gpuwatchd.core.vocabulary import EventName, ExitCode
 from gpuwatchd.daemon.lifecycle import Daemon
@@ -168,7 +169,7 @@ def _hand_over(
     # poll (and so does the waiter's scan) while this process waits, and no longer; the
     # word covers only processes older than when it was said (this process's start). A reader
     # takes an expiry at most a day ahead (MAX_HAND_OVER).
-    until = time.time() + min(once_timeout + ENDED_JOB_GRACE, MAX_HAND_OVER)
+    seconds = min(once_timeout + ENDED_JOB_GRACE, MAX_HAND_OVER)
     said = min((t for t in refused.own_ended_jobs.values() if t is not None), default=None)
     try:
         if waiter is None:
@@ -177,10 +178,10 @@ def _hand_over(
         hand_over_ended_jobs(
             state_dir,
             ended_jobs,
-            until=until,
+            clock=BootTime.read(time.time(), refused.procfs.boot_id()),
+            seconds=seconds,
             waiter=waiter,
             said_at=said,
-            boot_id=refused.procfs.boot_id(),
         )
     except OSError as exc:
         print(

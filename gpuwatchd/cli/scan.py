@@ -322,8 +322,9 @@ def _collect(
             view.holders, view.dead_listed, unknown=view.unknown, held_minors=view.held_minors
         )
     if state_dir is not None:
+        clock = BootTime.read(time.time(), procfs.boot_id())
         collector.ended_by_scheduler = read_ended_jobs(
-            state_dir, time.time(), waiting=procfs.is_running, boot_id=procfs.boot_id()
+            state_dir, clock, waiting=procfs.is_running
         ).jobs
     return collector.collect(full=view is None), collector
 

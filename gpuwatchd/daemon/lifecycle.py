@@ -362,13 +362,8 @@ class Daemon:
         state_dir = self._state_dir()
         if state_dir is None:
             return
-        found = read_ended_jobs(
-            state_dir,
-            self.wall_clock(),
-            waiting=self.procfs.is_running,
-            remove_stale=True,
-            boot_id=self.procfs.boot_id(),
-        )
+        clock = BootTime.read(self.wall_clock(), self.procfs.boot_id())
+        found = read_ended_jobs(state_dir, clock, waiting=self.procfs.is_running, remove_stale=True)
         for problem in found.problems:
             log.warning(EventName.SCHEDULER_ENDED_JOB, error=problem, ignored=True)
         for job in sorted(found.jobs.keys() - self._handed_jobs):

@@ -237,6 +237,7 @@ class Engine:
             self.state.plan = plan  # those latched after the request: nobody saw them
             fields = {"kept": kept} if kept else {}
             self.emit(EventName.LIMITS_LATCHES_CLEARED, Level.WARNING, **fields)
+            self.checkpoint()  # the request is taken: a crash later in the poll must not lose it
 
     def _read(self) -> Snapshot:
         """The poll's snapshot, with the spares in force, NVML's availability changes said."""

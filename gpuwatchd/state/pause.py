@@ -218,25 +218,28 @@ def hand_over_ended_jobs(
     state_dir: StateDir,
     jobs: Iterable[str],
     *,
-    until: float,
+    clock: BootTime,
+    seconds: float,
     waiter: tuple[int, int],
     said_at: int | None = None,
-    boot_id: str | None = None,
 ) -> None:
     """Tell the daemon (and every scan) that ``jobs`` (at most :data:`MAX_ENDED_JOBS`) ended,
-    while ``waiter`` (the epilog's PID and start ticks) waits, never past wall time ``until``;
-    ``said_at``: when, in clock ticks of boot ``boot_id``. One file per job and waiter."""
+    while ``waiter`` (the epilog's PID and start ticks) waits, never past ``seconds`` from
+    ``clock`` (now); ``said_at``: when, in clock ticks of this boot. One file per job and
+    waiter."""
     chosen = sorted(set(jobs))
     if len(chosen) > MAX_ENDED_JOBS:
         raise ValueError(f"at most {MAX_ENDED_JOBS} jobs are handed over at once")
+    end = clock.stamp(seconds)
     for job in chosen:
         body = {
             "job": job,
-            "until": until,
+            "until": end["until"],
             "by_uid": os.getuid(),
             "waiter": list(waiter),
             "said_at_ticks": said_at,
-            "boot_id": boot_id,
+            "boot_id": clock.boot_id,
+            "until_boot": end["until_boot"],
         }
         state_dir.write(_hand_over_name(job, waiter), ENDED_JOB.encode(body))
 
@@ -308,16 +311,15 @@ def _said_at(data: dict[str, object], boot_id: str | None) -> int | None:
 
 def read_ended_jobs(
     state_dir: StateDir,
-    now: float,
+    clock: BootTime,
     *,
     waiting: Callable[[int, int], bool | None],
     remove_stale: bool = False,
-    boot_id: str | None = None,
 ) -> HandOvers:
     """The jobs handed over whose epilog still waits (``waiting(pid, start_ticks)``; None:
-    unknown, then not honoured but kept), neither expired at wall time ``now`` nor more than a
-    day ahead. ``remove_stale`` (the daemon): expired and bad files, and those whose epilog is
-    gone, are removed."""
+    unknown, then not honoured but kept), neither expired at ``clock`` (on the boot clock in
+    its boot: a wall clock step moves no end) nor more than a day ahead. ``remove_stale`` (the
+    daemon): expired and bad files, and those whose epilog is gone, are removed."""
     try:
         names = state_dir.names(ENDED_JOB_PREFIX)
     except OSError:
@@ -328,8 +330,8 @@ def read_ended_jobs(
     for name in examined:
         try:
             data = ENDED_JOB.decode(state_dir.read(name, MAX_ENDED_JOB_FILE))
-            job, until = data["job"], data["until"]
-            if until > now + MAX_HAND_OVER:
+            job, left = data["job"], clock.left(data) or 0.0  # "until" is checked: never None
+            if left > MAX_HAND_OVER:
                 raise ValueError("expiry more than a day ahead")
             waiter = _waiter(data.get("waiter"))
             # An older version's run --once (still waiting through an upgrade) names the job only.
@@ -340,9 +342,9 @@ def read_ended_jobs(
         except (OSError, ValueError) as err:
             problems.append(f"{name}: {err}")
         else:
-            waits = until >= now and waiting(*waiter)
+            waits = left >= 0 and waiting(*waiter)
             if waits:  # two epilogs of one job: the later word (it covers more processes)
-                said = _said_at(data, boot_id)
+                said = _said_at(data, clock.boot_id)
                 valid[job] = max(said, valid.get(job, said), key=lambda t: -1 if t is None else t)
             if waits is not False:
                 continue

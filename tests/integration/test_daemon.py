@@ -1114,3 +1114,31 @@ def test_the_stop_writes_the_last_polls_wall_time_so_a_restart_sees_a_clock_set_
     assert daemon.run() == ExitCode.OK
     saved = json.loads((tmp_path / "state" / "state.json").read_text())
     assert saved["plan"]["last_wall"] == 1230.0
+
+
+def test_a_clear_latches_request_taken_by_a_poll_that_crashes_is_not_lost(tmp_path: Path) -> None:
+    """The poll took the request (the file removed) and lifted the latch in memory, said so
+    (``limits.latches_cleared``), then crashed reading the GPUs before its checkpoint: the next
+    start found the latch saved, and the request gone. The lifted latch is saved at once."""
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    policy = dataclasses.replace(default_policy(), state_dir=str(state_dir), dry_run=False)
+    daemon = Daemon(policy, config_path=str(tmp_path / "none.yaml"))
+    latched = PlanState(forced_dry_run=True, forced_reason="kill cap", forced_since=1.0)
+    daemon.engine.restore(dataclasses.replace(daemon.engine.state, plan=latched))
+    assert daemon.save_state()
+    with StateDir.open(str(state_dir)) as directory:
+        clear_latches(directory)
+
+    def crash() -> Snapshot:
+        raise OSError("EIO reading the GPUs")
+
+    daemon.engine.reader = Reader(Clock(), ghost_host)
+    daemon.engine.reader.collect = crash  # type: ignore[method-assign]
+    with pytest.raises(OSError, match="EIO"):
+        daemon.engine.poll(daemon._read_switches())
+    daemon.store.close()
+    again = Daemon(policy, config_path=str(tmp_path / "none.yaml"))
+    again._load_state()
+    assert not again.engine.state.plan.forced_dry_run, "the admin's request was lost"
+    again.store.close()

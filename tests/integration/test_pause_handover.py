@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
+from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.config.schema import default_policy
 from gpuwatchd.core.vocabulary import EventName
@@ -47,15 +48,26 @@ def hand_over(
     jobs: list[str],
     until: float,
     waiter: tuple[int, int] = EPILOG,
-    **said: object,
+    *,
+    said_at: int | None = None,
+    boot_id: str | None = None,
 ) -> None:
-    hand_over_ended_jobs(state, jobs, until=until, waiter=waiter, **said)  # type: ignore[arg-type]
+    """Handed over at :data:`NOW` until wall time ``until`` (the boot clock unknown: ``at``)."""
+    clock = at(NOW, boot_id)
+    hand_over_ended_jobs(
+        state, jobs, clock=clock, seconds=until - NOW, waiter=waiter, said_at=said_at
+    )
+
+
+def at(now: float, boot_id: str | None = None) -> BootTime:
+    """Wall time ``now`` in boot ``boot_id``, the boot clock unknown (the wall time counts)."""
+    return BootTime(now, None, boot_id)
 
 
 def read(
     state: StateDir, now: float, *, remove_stale: bool = False, boot_id: str | None = None
 ) -> HandOvers:
-    return read_ended_jobs(state, now, waiting=waiting, remove_stale=remove_stale, boot_id=boot_id)
+    return read_ended_jobs(state, at(now, boot_id), waiting=waiting, remove_stale=remove_stale)
 
 
 @pytest.fixture
@@ -210,12 +222,12 @@ def test_a_hand_over_counts_only_while_its_epilog_waits_and_never_for_a_later_ru
     run — job 43's epilog, or job 42 requeued under the same id — must not take it."""
     hand_over(state, ["slurm:42"], NOW + 600)
     assert set(read(state, NOW).jobs) == {"slurm:42"}
-    gone = read_ended_jobs(state, NOW, waiting=lambda pid, ticks: False)
+    gone = read_ended_jobs(state, at(NOW), waiting=lambda pid, ticks: False)
     assert gone == HandOvers({}, (), 0)  # not a problem, not waiting over the limit: only over
     assert len(files(tmp_path)) == 1  # a scan changes nothing
-    reused = read_ended_jobs(state, NOW, waiting=lambda p, t: (p, t) == LATER)
+    reused = read_ended_jobs(state, at(NOW), waiting=lambda p, t: (p, t) == LATER)
     assert not reused.jobs  # the PID alone is not the epilog
-    read_ended_jobs(state, NOW, waiting=lambda pid, ticks: False, remove_stale=True)
+    read_ended_jobs(state, at(NOW), waiting=lambda pid, ticks: False, remove_stale=True)
     assert files(tmp_path) == []  # the daemon removes it
 
 
@@ -231,12 +243,12 @@ def test_a_hand_over_whose_epilog_cannot_be_read_is_kept_but_not_honoured(
     procfs = ProcFS(str(proc.root))
     assert procfs.is_running(*EPILOG) is None
     hand_over(state, ["slurm:42"], NOW + 600)
-    unknown = read_ended_jobs(state, NOW, waiting=procfs.is_running, remove_stale=True)
+    unknown = read_ended_jobs(state, at(NOW), waiting=procfs.is_running, remove_stale=True)
     assert unknown == HandOvers({}, (), 0)
     assert len(files(tmp_path)) == 1  # kept
     (proc.root / str(EPILOG[0]) / "stat").rmdir()
     proc.write(f"{EPILOG[0]}/stat", format_stat(EPILOG[0], "gpuwatchd", starttime=EPILOG[1]))
-    known = read_ended_jobs(state, NOW, waiting=procfs.is_running, remove_stale=True)
+    known = read_ended_jobs(state, at(NOW), waiting=procfs.is_running, remove_stale=True)
     assert set(known.jobs) == {"slurm:42"}
 
 
@@ -247,7 +259,7 @@ def test_the_epilog_withdraws_its_own_hand_over_and_only_its_own(
     hand_over(state, ["slurm:43"], NOW + 600, waiter=LATER)  # a second epilog's
     withdraw_ended_jobs(state, ["slurm:42", "slurm:43"], waiter=EPILOG)
     assert len(files(tmp_path)) == 1
-    found = read_ended_jobs(state, NOW, waiting=lambda p, t: (p, t) == LATER)
+    found = read_ended_jobs(state, at(NOW), waiting=lambda p, t: (p, t) == LATER)
     assert found == HandOvers({"slurm:43": None}, (), 0)
 
 
@@ -260,10 +272,10 @@ def test_two_epilogs_of_one_job_keep_their_own_hand_overs_and_the_later_word_cov
     both = {EPILOG, LATER}
     hand_over(state, ["slurm:43"], NOW + 600, said_at=5_000, boot_id="b1")
     hand_over(state, ["slurm:43"], NOW + 600, waiter=LATER, said_at=6_000, boot_id="b1")
-    found = read_ended_jobs(state, NOW, waiting=lambda p, t: (p, t) in both, boot_id="b1")
+    found = read_ended_jobs(state, at(NOW, "b1"), waiting=lambda p, t: (p, t) in both)
     assert found == HandOvers({"slurm:43": 6_000}, (), 0)
     withdraw_ended_jobs(state, ["slurm:43"], waiter=LATER)  # the later epilog is done first
-    found = read_ended_jobs(state, NOW, waiting=waiting, remove_stale=True, boot_id="b1")
+    found = read_ended_jobs(state, at(NOW, "b1"), waiting=waiting, remove_stale=True)
     assert found == HandOvers({"slurm:43": 5_000}, (), 0)
     withdraw_ended_jobs(state, ["slurm:43"], waiter=EPILOG)
     assert files(tmp_path) == []
@@ -280,7 +292,7 @@ def test_a_waiting_epilogs_word_still_covers_only_processes_older_than_it(
     time (in this boot) which processes it covers."""
     hand_over(state, ["slurm:42"], NOW + 600, said_at=5_000, boot_id="b1")
     assert read(state, NOW, boot_id="b1").jobs == {"slurm:42": 5_000}
-    assert read_ended_jobs(state, NOW, waiting=lambda p, t: False, boot_id="b1").jobs == {}
+    assert read_ended_jobs(state, at(NOW, "b1"), waiting=lambda p, t: False).jobs == {}
 
 
 def test_run_once_going_on_alone_keeps_when_the_scheduler_said_it(
@@ -305,9 +317,8 @@ def test_run_once_going_on_alone_keeps_when_the_scheduler_said_it(
     def stopped_meanwhile(policy: object, timeout: float) -> None:
         found = read_ended_jobs(
             state,
-            time.time(),
+            BootTime.read(time.time(), refused.procfs.boot_id()),
             waiting=lambda p, t: p == os.getpid(),
-            boot_id=refused.procfs.boot_id(),
         )
         seen["handed"] = dict(found.jobs)
 
@@ -370,3 +381,49 @@ def test_the_hand_over_of_an_epilog_waiting_more_than_a_day_is_honoured(
     assert "handed to the running daemon: slurm:7 ended" in capsys.readouterr().err
     found = read(state, time.time(), remove_stale=True)
     assert (found.jobs, found.problems) == ({"slurm:7": None}, ())
+
+
+@pytest.mark.parametrize("step", [3600.0, -2 * 86400.0])
+def test_a_wall_clock_step_neither_ends_nor_refuses_a_waiting_epilogs_hand_over(
+    tmp_path: Path, state: StateDir, capsys: pytest.CaptureFixture[str], step: float
+) -> None:
+    """The expiry was a wall time: a clock stepped forward past it (NTP at a node's start) made
+    the daemon drop the hand-over of an epilog still waiting, one stepped back a day named it
+    "more than a day ahead" and removed it; it lasts on the boot clock, as a pause does."""
+    from types import SimpleNamespace
+
+    from gpuwatchd.cli.run import _hand_over
+
+    me = (os.getpid(), _own_start_ticks())  # the daemon asks whether the waiter still runs
+    policy = dataclasses.replace(default_policy(), state_dir=str(tmp_path), dry_run=True)
+    daemon = Daemon(
+        policy, config_path="/nonexistent/gpuwatchd.yaml", wall_clock=lambda: time.time() + step
+    )
+    refused: Any = SimpleNamespace(
+        own_ended_jobs={"slurm:7": None}, store=daemon.store, procfs=daemon.procfs
+    )
+    assert _hand_over(refused, frozenset({"slurm:7"}), me, 120.0) is not None
+    with capture_logs() as logs:
+        daemon._take_ended_jobs()
+    assert [e.get("job") for e in logs] == ["slurm:7"]
+    assert "slurm:7" in daemon.collector.ended_by_scheduler
+    assert len(files(tmp_path)) == 1
+    daemon.store.close()
+
+
+def test_a_hand_over_ends_on_the_boot_clock_in_its_boot_and_on_the_wall_clock_in_another(
+    state: StateDir,
+) -> None:
+    stamped = BootTime(NOW, 100.0, "b1")
+    hand_over_ended_jobs(state, ["slurm:42"], clock=stamped, seconds=60, waiter=EPILOG)
+    for wall, boot, honoured in [
+        (NOW + 3600, 150.0, True),  # stepped forward: 10 s left on the boot clock
+        (NOW - 2 * 86400, 150.0, True),  # stepped back two days: never "a day ahead"
+        (NOW - 3600, 161.0, False),  # its time is up, whatever the wall clock says
+    ]:
+        found = read_ended_jobs(state, BootTime(wall, boot, "b1"), waiting=waiting)
+        assert (set(found.jobs) == {"slurm:42"}) is honoured
+    assert set(read_ended_jobs(state, BootTime(NOW + 59, 5.0, "b2"), waiting=waiting).jobs) == {
+        "slurm:42"
+    }  # another boot's: its wall time
+    assert not read_ended_jobs(state, BootTime(NOW + 61, 5.0, "b2"), waiting=waiting).jobs

@@ -51,12 +51,12 @@ def test_the_resume_note(state: StateDir, tmp_path: Path) -> None:
 
 
 def test_an_ended_job_hand_over(state: StateDir, tmp_path: Path) -> None:
-    hand_over_ended_jobs(state, ["slurm:7"], until=NOW, waiter=(42, 9), said_at=5, boot_id="b1")
+    hand_over_ended_jobs(state, ["slurm:7"], clock=CLOCK, seconds=60, waiter=(42, 9), said_at=5)
     assert (
         _only(tmp_path, "ended-job-")
         == (
-            f'{{"job": "slurm:7", "until": {NOW}, "by_uid": {UID}, "waiter": [42, 9], '
-            '"said_at_ticks": 5, "boot_id": "b1"}\n'
+            f'{{"job": "slurm:7", "until": {NOW + 60}, "by_uid": {UID}, "waiter": [42, 9], '
+            '"said_at_ticks": 5, "boot_id": "b1", "until_boot": 160.0}\n'
         ).encode()
     )
 

@@ -358,7 +358,9 @@ class Worker:
         for _ in range(MAX_EVENTS_PER_READ):
             try:
                 data = pynvml.nvmlEventSetWait_v2(self.event_set, EVENT_WAIT_MS)
-            except pynvml.NVMLError:
+            except pynvml.NVMLError as error:
+                if getattr(error, "value", None) == NVML_ERROR_GPU_IS_LOST:
+                    self.rebuild_events(gpus)
                 return  # Timeout: nothing (more) queued; any other error: try next poll
             if int(data.eventType) != EVENT_TYPE_XID:
                 continue
@@ -366,6 +368,20 @@ class Worker:
             health = entries.get(index, {}).get("health") if index is not None else None
             if isinstance(health, dict):
                 health["xids"].append({"xid": int(data.eventData), "wall": time.time()})
+
+    def rebuild_events(self, gpus: list[dict[str, Any]]) -> None:
+        """A lost GPU fails every wait of its set, with the other GPUs' events (NVML: GPU_IS_LOST
+        "if a GPU has fallen off the bus"): a new set for the GPUs that answer. The old set's
+        unread events are gone; a failed registration is retried, and named, next poll."""
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlEventSetFree(self.event_set)
+        self.event_set = None
+        self.events_status.clear()
+        for gpu in gpus:
+            handle = self.handles.get(gpu["index"])
+            if handle is not None and not gpu["lost"]:
+                with contextlib.suppress(GpuLostError):
+                    self.register_events(gpu["index"], handle, [])
 
 
 def read_identity(reader: GpuReader, handle: Any) -> dict[str, Any]:

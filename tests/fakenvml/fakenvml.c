@@ -1758,6 +1758,7 @@ EXPORT int nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long type
 /*
  * "events": [{"id": "e1", "gpu": 0, "type": 8, "data": 95}, ...] at the top of the state: the
  * first one not yet consumed whose GPU (by position) is registered for its type is delivered.
+ * A lost GPU registered in the set makes every wait answer GPU_IS_LOST, the others' events too.
  * With none, the call sleeps for the timeout (the lock released) and answers TIMEOUT, like the
  * real library; a test that writes an event meanwhile has it seen at the next call.
  */
@@ -1766,6 +1767,11 @@ EXPORT int nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsign
     int rc = begin("nvmlEventSetWait_v2", NO_DEVICE, &state, NULL);
     if (rc != NVML_SUCCESS) return rc;
     if (!valid_set(set) || data == NULL) return finish(&state, NVML_ERROR_INVALID_ARGUMENT);
+    for (size_t slot = 0; slot < gpu_count(&state); slot++) {
+        if (set->registered[slot] != 0 && json_truthy(json_get(gpu_at(&state, slot), "lost"), 0)) {
+            return finish(&state, NVML_ERROR_GPU_IS_LOST);
+        }
+    }
     const jvalue *events = json_get(&state, "events");
     size_t n = (events != NULL && events->type == J_ARRAY) ? events->count : 0;
     for (size_t i = 0; i < n && i < MAX_CONSUMED; i++) {

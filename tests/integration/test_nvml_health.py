@@ -98,6 +98,31 @@ def test_xid_events_are_delivered_once_to_their_gpu(
     assert all(g.health and g.health.xids == () for g in client.read().gpus)
 
 
+def test_a_gpu_lost_from_the_event_set_does_not_hide_the_other_gpus_xid_events(
+    fake_nvml: FakeNvml, client: NvmlClient
+) -> None:
+    """NVML's wait answers GPU_IS_LOST for a whole set while one GPU in it is lost (Xid 79), and
+    again at every wait: the worker makes a new set without that GPU, so its neighbours' Xids
+    (48, 94 ...) are still read from the next poll on."""
+    gpus = [gpu(0), gpu(1), gpu(2)]
+    fake_nvml.write(state(gpus))
+    assert all(g.health and g.health.events is Support.OK for g in client.read().gpus)
+    gpus[1]["lost"] = True
+    fake_nvml.write(state(gpus))
+    assert client.read().gpus[1].lost
+    events = [
+        {"id": "a", "gpu": 0, "type": XID, "data": 48},
+        {"id": "b", "gpu": 2, "type": XID, "data": 94},
+    ]
+    fake_nvml.write(state(gpus, events=events))
+    zero, one, two = client.read().gpus
+    assert one.lost
+    assert zero.health is not None
+    assert two.health is not None
+    assert ([x.xid for x in zero.health.xids], [x.xid for x in two.health.xids]) == ([48], [94])
+    assert (zero.health.events, two.health.events) == (Support.OK, Support.OK)
+
+
 def test_a_reading_between_polls_hands_every_gpus_xid_events_over(fake_nvml: FakeNvml) -> None:
     """The reset procedure reads its GPU again (its memory after the reset, its NVLink fabric
     each second): the worker's reading takes every GPU's queued events, so the daemon's reader

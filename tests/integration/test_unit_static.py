@@ -47,6 +47,7 @@ def seconds(value: str) -> float:
         ("PrivatePIDs", r".*"),  # NVML reports host PIDs
         ("User", r".*"),  # nvidia-smi --gpu-reset wants root
         ("DynamicUser", r".*"),
+        ("ProtectHostname", r".*"),  # freezes {hostname} at the start's name (DHCP sets it later)
     ],
 )
 def test_unit_never_sets_directive_that_breaks_gpu_access(key: str, bad_value: str) -> None:

@@ -499,13 +499,18 @@ def test_undrain_without_slurm_does_nothing(tmp_path: Path) -> None:
 
 
 def _script(
-    tmp_path: Path, node: tuple[str, str], check: str, argv: list[str], **env: str
+    tmp_path: Path,
+    node: tuple[str, str],
+    check: str,
+    argv: list[str],
+    scontrol: str = FAKE_SCONTROL,
+    **env: str,
 ) -> subprocess.CompletedProcess[str]:
     """Run contrib script ``argv`` on a node in state ``node`` (state, reason) of the fake
-    scontrol, with a stand-in gpuwatchd whose shell body is ``check``; ``env`` added."""
+    ``scontrol``, with a stand-in gpuwatchd whose shell body is ``check``; ``env`` added."""
     for name, text in zip(("node.state", "node.reason"), node, strict=True):
         (tmp_path / name).write_text(text)
-    for name, body in (("scontrol", FAKE_SCONTROL), ("gpuwatchd", f"#!/bin/sh\n{check}")):
+    for name, body in (("scontrol", scontrol), ("gpuwatchd", f"#!/bin/sh\n{check}")):
         (tmp_path / name).write_text(body)
         (tmp_path / name).chmod(0o755)
     env = {
@@ -575,6 +580,35 @@ def test_undrain_lifts_no_drain_another_script_asked_for_during_the_check(tmp_pa
     assert (tmp_path / "node.state").read_text() == "IDLE+DRAIN"
     assert (tmp_path / "node.reason").read_text() == "gpuwatchd: GPU-y orphaned"
     assert record.read_text() == "at=2000\nreason=gpuwatchd: GPU-y orphaned\n"
+
+
+def test_undrain_keeps_the_record_of_a_drain_asked_for_while_it_resumed(tmp_path: Path) -> None:
+    """Another job's epilog found a GPU dirty and drained the node (a new record) while an
+    undrain's resume was on its way: the resume lifts that drain (Slurm has no compare-and-set),
+    but the new record stays, so the drain Slurm then sets for the failed epilog ("Epilog
+    error") is ours and is lifted once every GPU is clean."""
+    (tmp_path / "state").mkdir(mode=0o700)
+    record = tmp_path / "state" / f"drained.{NODE}"
+    record.write_text("at=1000\nreason=gpuwatchd: GPU-x orphaned\n")
+    # The other epilog writes its record and drains just before the resume lands.
+    racing = FAKE_SCONTROL.replace(
+        "update)\n",
+        'update)\n    case "$*" in *state=resume*)\n'
+        f"        printf 'at=%s\\nreason=gpuwatchd: GPU-y orphaned\\n' \"$(date +%s)\" > {record}\n"
+        "        printf 'gpuwatchd: GPU-y orphaned' > \"$dir/node.reason\" ;;\n    esac\n",
+        1,
+    )
+    node = ("IDLE+DRAIN", "gpuwatchd: GPU-x orphaned")
+    proc = _script(tmp_path, node, "", ["gpuwatchd-slurm", "undrain"], scontrol=racing)
+    assert proc.returncode == 0, proc.stderr
+    assert "reason=gpuwatchd: GPU-y orphaned" in record.read_text()
+    # The other epilog exits 1: Slurm drains the node with its own reason, now.
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+    (tmp_path / "node.reason_at").write_text(stamp)
+    proc = _script(tmp_path, ("IDLE+DRAIN", "Epilog error"), "", ["gpuwatchd-slurm", "undrain"])
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "node.state").read_text() == "IDLE"
+    assert not record.exists()
 
 
 def test_a_node_an_admin_set_down_keeps_its_reason_and_stays_down(tmp_path: Path) -> None:

@@ -232,6 +232,22 @@ def test_start_waits_for_ready_after_first_poll(configured: Container) -> None:
     assert ct.prop("StatusText") != ""
 
 
+def test_the_daemon_sees_a_host_name_set_after_it_started(configured: Container) -> None:
+    """{hostname} is the kernel's host name, read at start and on reload (docs/policy.md): a
+    name set after the unit started (DHCP, a late hostnamectl) reaches the daemon on reload.
+    The daemon reads it with gethostname(), in its own UTS namespace."""
+    ct = configured
+    ct.run(["systemctl", "start", UNIT])
+    ct.run(["hostname", "gpu-renamed"])
+    try:
+        ct.run(["systemctl", "reload", UNIT])
+        pid = ct.prop("MainPID")
+        seen = ct.run(["nsenter", "-t", pid, "-u", "hostname"]).stdout.strip()
+        assert seen == "gpu-renamed"
+    finally:
+        ct.run(["hostname", "gpuwatchd-it"])
+
+
 def test_status_shows_the_status_line(configured: Container) -> None:
     ct = configured
     wait_for(

@@ -547,8 +547,9 @@ class Daemon:
                 switches, started=self.last_poll_monotonic, started_wall=self.last_poll_wall
             )
         )
-        # Gauges only feed the textfile (event counters are kept regardless, by the sink).
-        if self.metrics.textfile is not None:
+        # Gauges only feed the textfile (event counters are kept regardless, by the sink),
+        # which only the daemon writes: run --once's last-poll time would hide a dead daemon.
+        if self.metrics.textfile is not None and not self.once:
             self.metrics.after_poll(
                 report,
                 dry_run=self.policy.dry_run,

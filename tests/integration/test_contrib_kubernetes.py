@@ -25,7 +25,7 @@ import yaml
 
 from gpuwatchd.config.files import read_only_everywhere
 from gpuwatchd.core.vocabulary import EventName
-from tests.support.daemonrun import ORPHAN_RULE, orphan_host
+from tests.support.daemonrun import Run, orphan_host
 from tests.support.fakenvml import GiB, MiB, gpu, process
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
 
@@ -603,7 +603,7 @@ def host_npd(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         host.nvml([gpu(0, allocated=3 * GiB, processes=pinned), gpu(1)])
         textfile = root / "metrics" / "gpuwatchd.prom"
         textfile.parent.mkdir()
-        config = host.config(rules=[ORPHAN_RULE], metrics={"textfile": str(textfile)})
+        daemon = Run(host, dry_run=True, metrics={"textfile": str(textfile)})
         env = {"GPUWATCHD_METRICS_FILE": str(textfile)}
         run = [sys.executable, str(NPD_COMMAND)]
 
@@ -613,17 +613,22 @@ def host_npd(arg: dict[str, Any], root: Path) -> dict[str, Any]:
             )
             return {"code": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
 
-        def once() -> None:  # one poll or a few: the daemon writes the file each poll
-            host.gpuwatchd("run", "--once", "--timeout", "1s", "--config", str(config))
+        def judged(*clean: str) -> bool:  # the daemon's verdicts in the file, GPU 0 first
+            text = textfile.read_text() if textfile.exists() else ""
+            return re.findall(r"^gpuwatchd_gpu_clean\{.*\} (\S+)$", text, re.M) == list(clean)
 
-        once()
-        # The rollout week: a dry-run policy reports, never raises the problem.
-        dry, dirty = npd(), npd(GPUWATCHD_NPD_PROBLEM="yes")
-        uuid = host.scan_json(config)["gpus"][0]["uuid"]
-        os.kill(host.pids["worker"], 9)
-        host.wait_gone("worker")
-        host.nvml([gpu(0), gpu(1)])
-        once()
+        daemon.start()  # only the daemon writes the file (never run --once)
+        try:
+            assert daemon.wait_for(lambda: judged("0.0", "1.0")), "GPU 0 never judged dirty"
+            # The rollout week: a dry-run policy reports, never raises the problem.
+            dry, dirty = npd(), npd(GPUWATCHD_NPD_PROBLEM="yes")
+            uuid = host.scan_json(daemon.config)["gpus"][0]["uuid"]
+            os.kill(host.pids["worker"], 9)
+            host.wait_gone("worker")
+            host.nvml([gpu(0), gpu(1)])
+            assert daemon.wait_for(lambda: judged("1.0", "1.0")), "GPU 0 never judged clean"
+        finally:
+            daemon.stop()
         return {"uuid0": uuid, "dry": dry, "dirty": dirty, "clean": npd()}
 
 

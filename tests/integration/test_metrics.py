@@ -15,6 +15,7 @@ import shutil
 import stat
 import subprocess
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuwatchd import __version__
+from gpuwatchd.config.schema import default_policy
 from gpuwatchd.core.model import (
     MIB,
     FindingKind,
@@ -34,12 +36,13 @@ from gpuwatchd.core.model import (
     XidEvent,
 )
 from gpuwatchd.core.vocabulary import EventName, LadderStatus, Level
+from gpuwatchd.daemon.lifecycle import Daemon
 from gpuwatchd.daemon.metrics import TEXTFILE_MODE, Metrics, remove_textfile, write_textfile
 from gpuwatchd.decide.assess.passes import assess
 from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.plan.state import Ladder, PlanState
-from gpuwatchd.decide.policy import Detection, Policy
+from gpuwatchd.decide.policy import Detection, MetricsPolicy, Policy
 from gpuwatchd.decide.verdict import NodeVerdict, judge
 from gpuwatchd.engine.edges import PollReport
 from gpuwatchd.sim.scenario import load_scenario
@@ -236,6 +239,29 @@ def test_without_a_textfile_nothing_is_written(tmp_path: Path) -> None:
     assert poll(metrics, host()) is None
     assert list(tmp_path.iterdir()) == []
     assert b"gpuwatchd_findings" in metrics.render()
+
+
+@pytest.mark.parametrize("once", [False, True])
+def test_only_the_daemon_writes_the_file_never_run_once(
+    textfile: Path, once: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An epilog's ``run --once`` on a node whose daemon died rewrote the file after each
+    poll: its fresh last-poll time silenced GpuwatchdSilent for as long as jobs kept ending,
+    though docs/metrics.md says the dead daemon's file stays and grows old."""
+    policy = replace(
+        default_policy(), state_dir=str(textfile.parent.parent / "state"), dry_run=True,
+        metrics=MetricsPolicy(textfile=str(textfile)),
+    )  # fmt: skip
+    stale = "gpuwatchd_last_successful_poll_timestamp_seconds 1.0\n"  # the dead daemon's
+    textfile.write_text(stale)
+    daemon = Daemon(policy, config_path="/nonexistent/gpuwatchd.yaml", once=once)
+    snapshot = HostBuilder().gpu(0).build()
+    report = PollReport(snapshot, assessed(snapshot), PlanState(), seconds=0.5, started_wall=WALL)
+    monkeypatch.setattr(daemon.engine, "poll", lambda inputs: report)
+    daemon.poll_once()
+    daemon.store.close()
+    last = value(written(textfile), "gpuwatchd_last_successful_poll_timestamp_seconds")
+    assert (textfile.read_text() == stale, last) == (once, 1.0 if once else WALL + 0.5)
 
 
 def test_changing_the_path_removes_the_file_written_before(tmp_path: Path) -> None:

@@ -111,6 +111,9 @@ class Collector:
     # Processes of a running daemon that a one-shot command (scan, check-clean) must count as
     # its own, as the daemon does: its NVML worker holds every GPU's device file.
     daemon_pids: frozenset[int] = frozenset()
+    # The PIDs the daemon's ladders name: described, holders or not, so a ladder's target is
+    # gone when /proc says so, not when it merely holds nothing (docs/escalation.md).
+    watched: Callable[[], Iterable[int]] = tuple
     # False: where the full-scan rule asks for a walk, collect raises WalkDue instead (a scan
     # the daemon answers walks nothing in the daemon's loop: it declines).
     may_walk: bool = True
@@ -154,7 +157,8 @@ class Collector:
         poll = _Poll(reading, now, listed, self_pids, news)
         holders, live_listed = _scan_holders(self, poll, live_listed, full=full)
         holding_pids = _note_holders(self, poll, holders)
-        processes = _processes_of(self, poll, live_listed, holding_pids | holders.unreadable)
+        wanted = holding_pids | holders.unreadable | set(self.watched())
+        processes = _processes_of(self, poll, live_listed, wanted)
         return _snapshot(
             self, poll, holders, live_listed, processes=processes, holding_pids=holding_pids
         )

@@ -144,6 +144,9 @@ class Daemon:
         self._handed_jobs: frozenset[str] = frozenset()
         self._handed_over_limit = 0
         self.engine = self._make_engine(policy, evidence_report)
+        self.collector.watched = lambda: [
+            lad.pid for lad in self.engine.standing().plan.ladders.values()
+        ]
         self.hook_queue.on_crash = self.engine.background_crashed  # said by the main loop
         self._init_loop_state(rejected_at_start)
 

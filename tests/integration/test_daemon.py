@@ -441,6 +441,19 @@ def test_a_rejected_reload_while_running_the_fallback_keeps_saying_so(tmp_path: 
     assert "nothing changed" not in said
 
 
+def test_the_collector_describes_every_ladders_target_holder_or_not(tmp_path: Path) -> None:
+    """A terminal ladder's target that holds nothing is no longer taken for gone (its ladder
+    kept, never signalled again while it lives): the daemon's polls read the plan's targets."""
+    daemon, _ = _daemon_with_config(tmp_path, "dry_run: true\n")
+    assert list(daemon.collector.watched()) == []
+    ladders = {
+        "7@1": dataclasses.replace(ladder("7@1", "ended"), pid=7),
+        "9@1": ladder("9@1", "active"),
+    }
+    daemon.engine.state.plan = dataclasses.replace(daemon.engine.state.plan, ladders=ladders)
+    assert sorted(daemon.collector.watched()) == [1, 7]
+
+
 def test_actions_are_remembered_for_status_and_written_with_the_state(tmp_path: Path) -> None:
     daemon, _ = _daemon_with_config(tmp_path, "dry_run: true\n")
     sink = daemon.engine.sink

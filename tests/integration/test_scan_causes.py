@@ -32,10 +32,15 @@ import pytest
 from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.devwatch import DeviceWatch
 from gpuwatchd.collect.procfs import ProcFS
-from gpuwatchd.core.model import GpuInfo, NvmlReading
+from gpuwatchd.core.model import Finding, GpuInfo, NvmlReading
+from gpuwatchd.core.vocabulary import LadderStatus
 from gpuwatchd.decide.full_scan import FullScanReason, FullScanState, full_scan_due, holder_gone
+from gpuwatchd.decide.plan.decisions import plan
+from gpuwatchd.decide.plan.intents import SignalIntent
+from gpuwatchd.decide.plan.state import Ladder, PlanState
 from gpuwatchd.decide.policy import Detection
 from gpuwatchd.served.holders import HolderView
+from tests.support import plancases
 from tests.support.children import HOLD_FD, Spawn
 from tests.support.collecting import fake_collector
 from tests.support.fakenvml import FakeNvml, gpu, state
@@ -532,3 +537,45 @@ def test_a_scan_on_the_daemons_view_keeps_what_its_poll_could_not_read(
     snapshot = served.collect()
     assert served.last_scan_reason is None
     assert (set(snapshot.holders.holdings), set(snapshot.holders.unreadable)) == ({500}, {600})
+
+
+# --- a ladder's target, holder or not -----------------------------------------------------------
+
+
+def test_a_target_whose_ladder_ended_is_described_while_it_lives_and_never_signalled_again(
+    tmp_path: Path,
+) -> None:
+    """An orphan that outlived its ladder closes its device files: no holder, no process NVML
+    lists, so the snapshot left it out and its ended ladder was dropped as gone; opening them
+    again started a new ladder, a second SIGTERM. The daemon's collector describes every
+    ladder's target (``watched``): the ladder goes only once /proc has no such process."""
+    devices = make_devices(tmp_path / "dev")
+    fake = FakeProc(tmp_path / "proc")
+    fds = {3: str(devices / "nvidia0"), 4: str(devices / "nvidia-uvm")}
+    fake.add(500, starttime=1000, fds=fds)
+    target = plancases.proc(500, 1000)
+    finding = plancases.orphan(target, gpu_uuid="GPU-0")
+    ended = Ladder(target="500@1000", pid=500, start_ticks=1000, finding_key=finding.key,
+                   rule="orphans", gpu="GPU-0", steps=(("SIGTERM", 30.0),), step=1, due=None,
+                   status=LadderStatus.ENDED, dry_run=False, started=0.0)  # fmt: skip
+    plan_state = [PlanState(ladders={ended.target: ended})]
+    collector = Collector(ProcFS(str(fake.root), devices_dir=str(devices)), _OneGpu(),
+                          namespace_check=False)  # fmt: skip
+    collector.watched = lambda: [lad.pid for lad in plan_state[0].ladders.values()]
+
+    def poll(findings: list[Finding]) -> list[SignalIntent]:
+        result = plan(findings, collector.collect(full=True), plan_state[0], plancases.policy(),
+                      now=100.0, wall=100.0)  # fmt: skip
+        plan_state[0] = result.state
+        return plancases.signals(result)
+
+    assert poll([finding]) == []
+    for fd in fds:
+        (fake.root / "500" / "fd" / str(fd)).unlink()
+    assert poll([]) == []
+    assert list(plan_state[0].ladders) == ["500@1000"]
+    for fd, device in fds.items():
+        fake.open_fd(500, fd, device)
+    assert poll([finding]) == []  # still its ended ladder: never signalled again
+    fake.remove(500)
+    assert (poll([]), plan_state[0].ladders) == ([], {})

@@ -625,6 +625,30 @@ def test_a_node_an_admin_set_down_keeps_its_reason_and_stays_down(tmp_path: Path
     assert not (tmp_path / "state" / f"drained.{NODE}").exists()
 
 
+@pytest.mark.parametrize("state", ["DOWN+DRAIN", "DOWN*+DRAIN", "DOWN+DRAIN+NOT_RESPONDING"])
+def test_undrain_leaves_a_node_slurm_set_down_over_our_drain_down(
+    tmp_path: Path, state: str
+) -> None:
+    """Slurm sets a drained node DOWN (slurmd not responding, an unexpected reboot) keeping our
+    reason first: state=resume would lift that DOWN too, which is not ours to lift."""
+    (tmp_path / "state").mkdir(mode=0o700)
+    record = tmp_path / "state" / f"drained.{NODE}"
+    record.write_text("at=1000\nreason=gpuwatchd: GPU-x orphaned\n")
+    node = (state, "gpuwatchd: GPU-x orphaned : Not responding")
+    proc = _script(tmp_path, node, "", ["gpuwatchd-slurm", "undrain"])
+    assert proc.returncode == 0, proc.stderr
+    assert f"{NODE} is down (State={state}): not ours to resume" in proc.stderr
+    assert (tmp_path / "node.state").read_text() == state
+    assert _only_shown(tmp_path)
+    assert record.exists()
+    # Set down during the check of every GPU: not resumed either.
+    check = f"printf '{state}' > {tmp_path / 'node.state'}\n"
+    proc = _script(tmp_path, ("IDLE+DRAIN", node[1]), check, ["gpuwatchd-slurm", "undrain"])
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "node.state").read_text() == state
+    assert _only_shown(tmp_path)
+
+
 def test_settings_come_from_the_defaults_file_when_slurmd_passes_none(tmp_path: Path) -> None:
     """slurmd runs the scripts with an environment of its own: the settings are read from
     /etc/default/gpuwatchd-slurm (here GPUWATCHD_SLURM_DEFAULTS) — read, never run; unknown

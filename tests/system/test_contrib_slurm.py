@@ -631,25 +631,39 @@ def test_a_node_an_admin_set_down_keeps_its_reason_and_stays_down(tmp_path: Path
     assert not (tmp_path / "state" / f"drained.{NODE}").exists()
 
 
-@pytest.mark.parametrize("state", ["DOWN+DRAIN", "DOWN*+DRAIN", "DOWN+DRAIN+NOT_RESPONDING"])
-def test_undrain_leaves_a_node_slurm_set_down_over_our_drain_down(
-    tmp_path: Path, state: str
+OURS_DOWN = "gpuwatchd: GPU-x orphaned : Not responding"  # Slurm 23.02+ appends its reason
+
+
+@pytest.mark.parametrize(
+    ("state", "reason"),
+    [
+        ("DOWN+DRAIN", "gpuwatchd: GPU-x orphaned"),
+        ("DOWN*+DRAIN", "gpuwatchd: GPU-x orphaned"),
+        ("DOWN+DRAIN+NOT_RESPONDING", OURS_DOWN),
+        ("REBOOT+DRAIN", "gpuwatchd: GPU-x orphaned"),
+        ("MIXED+DRAIN+REBOOT_REQUESTED", "gpuwatchd: GPU-x orphaned"),
+        ("IDLE+DRAIN+REBOOT_ISSUED", "gpuwatchd: GPU-x orphaned"),
+    ],
+)
+def test_undrain_leaves_a_node_down_or_to_reboot_over_our_drain_as_is(
+    tmp_path: Path, state: str, reason: str
 ) -> None:
-    """Slurm sets a drained node DOWN (slurmd not responding, an unexpected reboot) keeping our
-    reason first: state=resume would lift that DOWN too, which is not ours to lift."""
+    """Slurm sets a drained node DOWN (slurmd not responding, an unexpected reboot), and an
+    admin's `scontrol reboot` without a reason sets it to reboot, keeping our reason first:
+    state=resume would lift that DOWN too, or cancel the reboot, neither ours to lift."""
     (tmp_path / "state").mkdir(mode=0o700)
     record = tmp_path / "state" / f"drained.{NODE}"
     record.write_text("at=1000\nreason=gpuwatchd: GPU-x orphaned\n")
-    node = (state, "gpuwatchd: GPU-x orphaned : Not responding")
-    proc = _script(tmp_path, node, "", ["gpuwatchd-slurm", "undrain"])
+    proc = _script(tmp_path, (state, reason), "", ["gpuwatchd-slurm", "undrain"])
     assert proc.returncode == 0, proc.stderr
-    assert f"{NODE} is down (State={state}): not ours to resume" in proc.stderr
+    said = f"{NODE} is down or set to reboot (State={state}): not ours to resume"
+    assert said in proc.stderr
     assert (tmp_path / "node.state").read_text() == state
     assert _only_shown(tmp_path)
     assert record.exists()
-    # Set down during the check of every GPU: not resumed either.
+    # Set so during the check of every GPU: not resumed either.
     check = f"printf '{state}' > {tmp_path / 'node.state'}\n"
-    proc = _script(tmp_path, ("IDLE+DRAIN", node[1]), check, ["gpuwatchd-slurm", "undrain"])
+    proc = _script(tmp_path, ("IDLE+DRAIN", reason), check, ["gpuwatchd-slurm", "undrain"])
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "node.state").read_text() == state
     assert _only_shown(tmp_path)

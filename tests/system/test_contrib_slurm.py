@@ -508,12 +508,19 @@ def _script(
 ) -> subprocess.CompletedProcess[str]:
     """Run contrib script ``argv`` on a node in state ``node`` (state, reason) of the fake
     ``scontrol``, with a stand-in gpuwatchd whose shell body is ``check``; ``env`` added."""
+    return _contrib(argv[0], _node(tmp_path, node, check, scontrol, **env), *argv[1:])
+
+
+def _node(
+    tmp_path: Path, node: tuple[str, str], check: str, scontrol: str, **env: str
+) -> dict[str, str]:
+    """Set up the node of ``_script``; the scripts' environment there."""
     for name, text in zip(("node.state", "node.reason"), node, strict=True):
         (tmp_path / name).write_text(text)
     for name, body in (("scontrol", scontrol), ("gpuwatchd", f"#!/bin/sh\n{check}")):
         (tmp_path / name).write_text(body)
         (tmp_path / name).chmod(0o755)
-    env = {
+    return {
         "PATH": "/usr/bin:/bin",
         "GPUWATCHD": str(tmp_path / "gpuwatchd"),
         "GPUWATCHD_SCONTROL": str(tmp_path / "scontrol"),
@@ -522,7 +529,6 @@ def _script(
         "GPUWATCHD_SLURM_DEFAULTS": str(tmp_path / "no-defaults"),
         **env,
     }
-    return _contrib(argv[0], env, *argv[1:])
 
 
 def _only_shown(tmp_path: Path) -> bool:
@@ -623,6 +629,78 @@ def test_a_node_an_admin_set_down_keeps_its_reason_and_stays_down(tmp_path: Path
     assert (tmp_path / "node.reason").read_text() == "admin: bad PSU"
     assert _only_shown(tmp_path)
     assert not (tmp_path / "state" / f"drained.{NODE}").exists()
+
+
+OURS_DOWN = "gpuwatchd: GPU-x orphaned : Not responding"  # Slurm 23.02+ appends its reason
+
+
+@pytest.mark.parametrize(
+    ("state", "reason"),
+    [
+        ("DOWN+DRAIN", "gpuwatchd: GPU-x orphaned"),
+        ("DOWN*+DRAIN", "gpuwatchd: GPU-x orphaned"),
+        ("DOWN+DRAIN+NOT_RESPONDING", OURS_DOWN),
+        ("REBOOT+DRAIN", "gpuwatchd: GPU-x orphaned"),
+        ("MIXED+DRAIN+REBOOT_REQUESTED", "gpuwatchd: GPU-x orphaned"),
+        ("IDLE+DRAIN+REBOOT_ISSUED", "gpuwatchd: GPU-x orphaned"),
+    ],
+)
+def test_undrain_leaves_a_node_down_or_to_reboot_over_our_drain_as_is(
+    tmp_path: Path, state: str, reason: str
+) -> None:
+    """Slurm sets a drained node DOWN (slurmd not responding, an unexpected reboot), and an
+    admin's `scontrol reboot` without a reason sets it to reboot, keeping our reason first:
+    state=resume would lift that DOWN too, or cancel the reboot, neither ours to lift."""
+    (tmp_path / "state").mkdir(mode=0o700)
+    record = tmp_path / "state" / f"drained.{NODE}"
+    record.write_text("at=1000\nreason=gpuwatchd: GPU-x orphaned\n")
+    proc = _script(tmp_path, (state, reason), "", ["gpuwatchd-slurm", "undrain"])
+    assert proc.returncode == 0, proc.stderr
+    said = f"{NODE} is down or set to reboot (State={state}): not ours to resume"
+    assert said in proc.stderr
+    assert (tmp_path / "node.state").read_text() == state
+    assert _only_shown(tmp_path)
+    assert record.exists()
+    # Set so during the check of every GPU: not resumed either.
+    check = f"printf '{state}' > {tmp_path / 'node.state'}\n"
+    proc = _script(tmp_path, ("IDLE+DRAIN", reason), check, ["gpuwatchd-slurm", "undrain"])
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "node.state").read_text() == state
+    assert _only_shown(tmp_path)
+
+
+def test_two_drains_at_once_write_the_record_without_a_false_warning(tmp_path: Path) -> None:
+    """Two jobs' prologs find a GPU dirty at once and both drain: each writes the record through
+    a temporary file of its own (one shared, the second move found it gone: "cannot write"),
+    and either may make the state directory (the second mkdir fails: it is there)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # mkdir and mv wait until both runs are at them: neither has made the directory, or moved
+    # its temporary file, yet.
+    for cmd in ("mkdir", "mv"):
+        (bin_dir / cmd).write_text(
+            f"#!/bin/sh\ntouch {bin_dir}/at.{cmd}.$$\nn=0\n"
+            f'while [ "$(ls {bin_dir} | grep -c at.{cmd})" -lt 2 ] && [ $n -lt 200 ]; do\n'
+            f'    sleep 0.05; n=$((n + 1))\ndone\nexec {shutil.which(cmd)} "$@"\n'
+        )
+        (bin_dir / cmd).chmod(0o755)
+    check = "echo 'GPU 0 GPU-x: orphaned pid 4242'\nexit 1\n"
+    drain = {"GPUWATCHD_SLURM_DRAIN": "yes", "SLURM_JOB_GPUS": "0"}
+    env = _node(tmp_path, ("IDLE", ""), check, FAKE_SCONTROL, **drain)
+    env["PATH"] = f"{bin_dir}:{env['PATH']}"
+    runs = [
+        subprocess.Popen(
+            [str(SLURM / "gpuwatchd-prolog")], env=env, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    for run in runs:
+        _, err = run.communicate(timeout=60)
+        assert run.returncode == 1, err
+        assert "cannot write" not in err
+    record = tmp_path / "state" / f"drained.{NODE}"
+    assert "reason=gpuwatchd: GPU-x orphaned" in record.read_text()
+    assert [p.name for p in (tmp_path / "state").iterdir()] == [record.name]
 
 
 def test_settings_come_from_the_defaults_file_when_slurmd_passes_none(tmp_path: Path) -> None:

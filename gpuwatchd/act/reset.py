@@ -373,7 +373,7 @@ def _up_to_final_scan(proc: Procedure) -> ResetOutcome | None:
     if blockers:
         reason = f"{len(blockers)} blocker(s): " + "; ".join(blockers)
         return proc.abort(ResetStep.FINAL_SCAN, reason, blockers)
-    if proc.target.layout and not proc.dry_run and (changed := _layout_changed(proc)):
+    if proc.target.recovery is None and not proc.dry_run and (changed := _layout_changed(proc)):
         return proc.abort(ResetStep.FINAL_SCAN, f"the MIG layout changed since the plan: {changed}")
     return None
 
@@ -385,6 +385,11 @@ def _layout_changed(proc: Procedure) -> str | None:
     layout = proc.target.layout
 
     def differs(gpu: GpuInfo | None) -> str | None:
+        if not layout:  # out of MIG mode at the plan: no instance it has now is recorded
+            if gpu is None:
+                return "the GPU is not in the fresh NVML reading"
+            mig = gpu.mig_enabled
+            return None if mig is False else f"MIG mode is {'on' if mig else 'unknown'} now"
         missing = layout_missing(layout, gpu)
         found = 0 if gpu is None else len(gpu.mig_devices or ())
         if isinstance(missing, str):
@@ -395,7 +400,8 @@ def _layout_changed(proc: Procedure) -> str | None:
             return f"it has {found} compute instance(s) where {len(layout)} were recorded"
         return None
 
-    return proc.reread(ResetStep.FINAL_SCAN, differs, "the recorded MIG layout")
+    fine = "the recorded MIG layout" if layout else "MIG mode still off"
+    return proc.reread(ResetStep.FINAL_SCAN, differs, fine)
 
 
 def _drain(proc: Procedure) -> ResetOutcome | None:

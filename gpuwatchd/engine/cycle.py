@@ -646,6 +646,9 @@ class Engine:
         except Exception as err:  # a bug in the procedure must not end the daemon
             self.emit(EventName.RESET_CRASHED, Level.ERROR, gpu=intent.gpu, error=repr(err))
             crashed = f"the reset procedure crashed: {err!r}"
+            # Booked as failed below: its last record, saved with the booking, would read as a
+            # reset under way until a start, however much later, resumed it (docs/reset.md).
+            self.state.reset_in_progress = None
             outcome = ResetOutcome(ResetResult.FAILED, ResetStep.DONE, crashed, False, None, ())
         booked = self._book_reset(intent, outcome, kept)
         self.checkpoint()  # the record gone and the outcome booked, in one save

@@ -45,7 +45,8 @@ class FakeEnvironment:
         self.scan_raises = scan_raises
         self.instance = instance  # what instance_back answers after a MIG recovery
         # What reread_gpu answers (an exception: raises it), in turn, the last one again; None:
-        # the planned instance until a -dgi ran, then its placement free (instance_gpu).
+        # the planned instance until a -dgi ran, then its placement free (instance_gpu); a GPU
+        # out of MIG mode for a reset of a GPU that was.
         self.rereads = None if rereads is None else list(rereads)
         self.monitors = list(monitors)  # what find_monitors answers
         self.monitors_left = list(monitors_left)  # what stop_monitors answers
@@ -96,8 +97,8 @@ class FakeEnvironment:
             return answer
         if target.layout:
             return layout_gpu(target.layout, present=layout_present(self.smi, target.layout))
-        if target.recovery is None:
-            return None
+        if target.recovery is None:  # a GPU out of MIG mode, as planned
+            return GpuInfo(index=0, uuid=target.uuid, mig_enabled=False)
         destroyed = any("-dgi" in call for call in smi_commands(self.smi))
         return instance_gpu(target.recovery, present=not destroyed)
 
@@ -174,7 +175,7 @@ def layout_present(smi: FakeSmi, layout: Sequence[InstanceRecovery]) -> set[int]
 
 
 def layout_gpu(
-    layout: Sequence[InstanceRecovery], *, present: set[int], mig_enabled: bool = True
+    layout: Sequence[InstanceRecovery], *, present: set[int], mig_enabled: bool | None = True
 ) -> GpuInfo:
     """A fresh reading of a MIG GPU with the GPU instances of ``layout`` at ``present``."""
     first = layout[0]

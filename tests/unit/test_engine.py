@@ -544,6 +544,36 @@ def test_a_reset_killed_before_its_outcome_is_saved_is_booked_at_the_next_start(
     assert reset_commands(second) == [], "the cooldown counts the reset"
 
 
+@dataclass
+class _BugInTheReset(Actuator):
+    """The reset procedure raises (a bug) as it runs the reset command."""
+
+    def run_command(
+        self, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
+    ) -> CommandResult:
+        if "--gpu-reset" in argv:
+            raise RuntimeError("a bug")
+        return super().run_command(argv, timeout=timeout, env=env)
+
+
+def test_a_reset_whose_procedure_crashed_is_over_once_booked() -> None:
+    """A procedure that raises is booked as a failed reset; the save that booked it kept its
+    last progress record: the state said the reset under way for good (``status``, ``run
+    --once`` waited on it) and the next start, however much later, resumed it (a health check,
+    the after hooks with a result other than the one booked). The booking save drops it."""
+    pol = make_policy("reset: {confirm_for: 0s, cooldown: 1m, after: [{command: [undrain]}]}")
+    first = rig(pol, ghost_host, actuator=_BugInTheReset())
+    first.poll_at(0.0)
+    assert [e["gpu"] for e in first.sink.named(EventName.RESET_CRASHED)] == [GPU0]
+    assert [o["result"] for o in first.sink.named(EventName.RESET_OUTCOME)] == ["failed"]
+    assert first.engine.state.reset_in_progress is None
+    second = rig(pol, ghost_host, state=first.engine.state)
+    second.clock.now = 3600.0
+    second.engine.resume_interrupted_reset()
+    assert second.actuator.commands == []
+    assert not second.sink.named(EventName.RESET_RESUMED)
+
+
 def test_a_hostile_reset_in_flight_is_cleared_at_start_and_shown_cut() -> None:
     """The marker is read from the state file (hostile, up to its size): its GPU and finding
     key are shown in ``EventName.RESET_IN_FLIGHT_CLEARED`` cut as event values are, never whole."""

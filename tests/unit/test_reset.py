@@ -80,7 +80,7 @@ def test_a_clear_gpu_is_reset_with_every_step_in_the_design_order(smi: FakeSmi) 
     assert outcome.command.returncode == 0
     assert env.steps == ALL_STEPS
     assert smi.calls() == [DRAIN, BEFORE, PM_OFF, RESET, QUERY, PM_ON, AFTER]
-    assert env.calls == ["stop_nvml", "final_blockers", "memory"]
+    assert env.calls == ["stop_nvml", "final_blockers", "reread", "memory"]
     # NVML is stopped after the drain and before anything else; the scan comes right before.
     assert env.commands_seen_at["stop_nvml"] == [DRAIN]
     assert env.commands_seen_at["final_blockers"] == [DRAIN, BEFORE, PM_OFF]

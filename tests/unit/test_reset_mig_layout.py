@@ -140,6 +140,34 @@ def test_a_layout_changed_since_the_plan_refuses_the_reset_before_it_runs(
     assert all(r["reset_started"] is False for r in env.records)
 
 
+@pytest.mark.parametrize(
+    ("reading", "why"),
+    [
+        (layout_gpu(LAYOUT, present={0, 1}), "MIG mode is on now"),
+        (layout_gpu(LAYOUT, present=set()), "MIG mode is on now"),
+        (layout_gpu(LAYOUT, present=set(), mig_enabled=None), "MIG mode is unknown now"),
+        (None, "the GPU is not in the fresh NVML reading"),
+        (OSError("NVML is gone"), "reading the GPU again failed: NVML is gone"),
+    ],
+)
+def test_a_gpu_out_of_mig_mode_at_the_plan_is_read_again_before_its_reset(
+    smi: FakeSmi, reading: GpuInfo | Exception | None, why: str
+) -> None:
+    """A GPU planned out of MIG mode (no layout recorded) and in MIG mode at its reset (turned
+    on since, by an admin or a MIG manager) had its GPU instances taken down, none recorded to
+    create again, without ``allow_mig``'s gates: the reset is refused, nothing run."""
+    env = FakeEnvironment(smi, rereads=[reading])
+    plain = dataclasses.replace(TARGET, layout=())
+    outcome = perform_reset(plain, make_policy(smi), env, dry_run=False)
+    assert (outcome.result, outcome.step) == ("refused", ResetStep.FINAL_SCAN)
+    assert why in outcome.reason
+    assert smi_commands(smi) == []  # no reset
+    assert ["hook", "after"] in smi.calls()  # undone
+    (said,) = [e for e in env.step_events(ResetStep.FINAL_SCAN) if e["status"] == "changed"]
+    assert why in str(said["detail"])
+    assert all(r["reset_started"] is False for r in env.records)
+
+
 def test_an_instance_not_back_after_its_create_is_failed(smi: FakeSmi) -> None:
     env = FakeEnvironment(smi, instance="GPU instance 1 is back but still uses 4096 bytes")
     outcome = perform_reset(TARGET, mig_policy(smi), env, dry_run=False)

@@ -31,6 +31,7 @@ from gpuwatchd.core.model import (
     Support,
     XidEvent,
 )
+from gpuwatchd.decide.floor import mps_server
 from gpuwatchd.decide.health.fabric import FabricState
 from gpuwatchd.sim.scenario_spec import EventSpec, GpuSpec, HealthSpec, ProcessSpec, Scenario
 
@@ -522,17 +523,18 @@ class World:
         )
 
     def snapshot(self, now: float) -> Snapshot:
-        host = self.scenario.host
+        host, processes = self.scenario.host, self.processes()
         return Snapshot(
             monotonic=now,
             wall_time=WALL0 + now,
             boot_id=BOOT_ID,
             nvml=self.nvml(take_events=True),
-            processes=self.processes(),
+            processes=processes,
             holders=self.holders(),
             pid_max=host.pid_max,
             host_namespaces=host.host_namespaces,
-            mps_server_running=host.mps_server_running,
+            # As the collector reads it: a trusted MPS server in the process table runs.
+            mps_server_running=host.mps_server_running or any(map(mps_server, processes.values())),
             handovers=dict.fromkeys(sorted(host.ended_jobs), SAID_AT),
             absent_pids=self.absent_pids(),
             file_sharing=self.file_sharing(),

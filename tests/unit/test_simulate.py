@@ -662,3 +662,18 @@ def test_a_pid_still_in_use_is_refused_naming_the_processes_escaped() -> None:
     with pytest.raises(SimulationError) as err:
         simulate(parse_scenario("s.yaml", text))
     assert str(err.value) == "s.yaml:6: pid 5000 (b\\x1b[2J) is still in use by a\\nforged at +1s"
+
+
+def test_a_listed_mps_server_makes_the_node_report_only_as_the_daemon_reads_it() -> None:
+    """The daemon's collector says an MPS server runs when a trusted one is in the process
+    table (clients' contexts live in it: report-only). The simulated host said so only by
+    host.mps_server_running, so a scenario listing root's nvidia-cuda-mps-server had its
+    orphan signalled, which the daemon on that host would never do."""
+    mps = "  - {name: mps, command: /usr/bin/nvidia-cuda-mps-server, holds: [0]}\n"
+    text = scenario().replace("processes:\n", "processes:\n" + mps)
+    r = simulate(parse_scenario("s.yaml", text))
+    assert r.signals() == []
+    new = r.entries(EventName.FINDING_NEW)
+    assert new
+    assert all(e.fields["actionable"] is False for e in new)
+    assert "(report only: no rule acts on it)" in new[0].text

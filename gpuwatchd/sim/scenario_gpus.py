@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
+from gpuwatchd.collect.holders import MAX_GPU_MINOR
 from gpuwatchd.collect.jobs import scheduler_ended_job
 from gpuwatchd.collect.kernel_log import MAX_PID
 from gpuwatchd.config.keys import BOOL, items_of, kind_of, scalar
@@ -181,7 +182,11 @@ class GpuReader(ReaderBase):
             if not isinstance(scalar(n), str):  # YAML 1.1: 17:00.0 is base 60
                 raise n.error(f"YAML read a number ({shown(scalar(n))}): quote a PCI bus id")
         self.nvml_value(get("pci_bus_id") or m, "pci_bus_id", bus)
-        minor = self.integer(n) if (n := get("minor")) is not None else index
+        if (minor := self.integer(n) if (n := get("minor")) is not None else index) > MAX_GPU_MINOR:
+            # The holder scan's: no driver numbers a GPU's /dev/nvidiaN further (nor 248 GPUs).
+            raise (n or m).error(
+                f"at most {MAX_GPU_MINOR}, the driver's last /dev/nvidiaN of a GPU; got {minor}"
+            )
         memory = {"total": 80 * GIB, "allocated": 4 * MIB, "reserved": 512 * MIB, "leaked": 0}
         if (mem := get("memory")) is not None:
             entries = self.mapping(mem, tuple(memory)).entries

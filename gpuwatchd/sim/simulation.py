@@ -54,8 +54,8 @@ from gpuwatchd.state.spares import MAX_SPARES
 
 BUSY_POLLS = 50  # polls at one instant before the simulation calls it a busy loop
 MAX_POLLS = 100_000  # interval polls one simulation may take; more is refused up front
-# Polls times processes one simulation may take (each costs some 40 us): a 1 MiB scenario of
-# 35,000 processes would otherwise poll for hours.
+# Polls times processes, and polls times GPUs, one simulation may take (each costs some 40 us, a
+# GPU more): a 1 MiB scenario of 35,000 processes would otherwise poll for hours.
 MAX_PROCESS_POLLS = 2_000_000
 SIM_HOSTNAME = "sim-node"  # {hostname} in the hooks of a simulated host
 
@@ -99,12 +99,13 @@ def _check_playable(scenario: Scenario, policy: Policy) -> None:
             "lengthen interval)"
         )
     procs = len(scenario.processes) + sum(e.process is not None for e in scenario.events)
-    if polls * procs > MAX_PROCESS_POLLS:
-        raise SimulationError(
-            f"{scenario.path}: {procs} processes over {polls:.0f} polls are {polls * procs:,.0f} "
-            f"process-polls; at most {MAX_PROCESS_POLLS:,} are simulated (fewer processes, a "
-            "shorter duration or a longer interval)"
-        )
+    for count, one, many in ((procs, "process", "processes"), (len(scenario.gpus), "GPU", "GPUs")):
+        if polls * count > MAX_PROCESS_POLLS:
+            raise SimulationError(
+                f"{scenario.path}: {count} {many} over {polls:.0f} polls are {polls * count:,.0f} "
+                f"{one}-polls; at most {MAX_PROCESS_POLLS:,} are simulated (fewer {many}, a "
+                "shorter duration or a longer interval)"
+            )
     longest = policy.limits.max_spare
     for event in scenario.events:
         if event.lasts is not None and not 1 <= event.lasts <= longest:

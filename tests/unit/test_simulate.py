@@ -140,6 +140,18 @@ def scenario(dry: str = "false", sigterm: str = "exit") -> str:
             "host.pid_max",
             "at most 4194304, the kernel's largest pid_max",
         ),
+        (  # no driver gives it: the daemon's holder scan takes /dev/nvidia248 for no GPU
+            "duration: 1m\ngpus:\n  - {index: 0, minor: 248}\n",
+            3,
+            "gpus[0].minor",
+            "at most 247, the driver's last /dev/nvidiaN of a GPU; got 248",
+        ),
+        (  # its minor is its index by default: so no more than 248 GPUs
+            "duration: 1m\ngpus: [" + "{}, " * 249 + "]\n",
+            2,
+            "gpus[248]",
+            "at most 247, the driver's last /dev/nvidiaN of a GPU; got 248",
+        ),
     ],
 )
 def test_malformed_scenario_names_line_and_field(
@@ -617,22 +629,6 @@ def test_a_process_killed_while_stuck_in_d_state_dies_when_it_leaves_it() -> Non
     assert r.final["open_findings"] == []
 
 
-def test_a_scenario_of_too_many_processes_over_its_polls_is_refused_up_front() -> None:
-    """Each poll reads every process (some 40 us each): 4,000 processes over an hour at 5s were
-    two minutes of work, and a 1 MiB scenario of 35,000 over 100,000 polls hours, a run that
-    never ends for whoever started it. Refused before the first poll, as too many polls are."""
-    listed = "".join(f"  - {{name: p{i}}}\n" for i in range(3999))
-    started = "events:\n  - {at: 1s, start: {name: s}}\n"
-    text = f"duration: 1h\ngpus: [{{}}]\nprocesses:\n{listed}{started}"
-    parsed = parse_scenario("s.yaml", text)
-    with pytest.raises(SimulationError) as err:
-        Simulation(parsed, scenario_policy(parsed, None)[0])
-    assert str(err.value) == (
-        "s.yaml: 4000 processes over 720 polls are 2,880,000 process-polls; at most 2,000,000 "
-        "are simulated (fewer processes, a shorter duration or a longer interval)"
-    )
-
-
 def test_a_zombie_whose_parent_exits_is_reaped_by_init() -> None:
     """A zombie's parent exits: init inherits it and reaps it at once (NVML then lists a dead
     PID). The simulated zombie stayed in the process table for good, its finding saying that
@@ -677,3 +673,35 @@ def test_a_listed_mps_server_makes_the_node_report_only_as_the_daemon_reads_it()
     assert new
     assert all(e.fields["actionable"] is False for e in new)
     assert "(report only: no rule acts on it)" in new[0].text
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "duration: 1h\ngpus: [{}]\nprocesses:\n"
+            + "".join(f"  - {{name: p{i}}}\n" for i in range(3999))
+            + "events:\n  - {at: 1s, start: {name: s}}\n",
+            "4000 processes over 720 polls are 2,880,000 process-polls; at most 2,000,000 are "
+            "simulated (fewer processes, a shorter duration or a longer interval)",
+        ),
+        (
+            "duration: 1d\ngpus: [" + "{}, " * 248 + "]\n",
+            "248 GPUs over 17280 polls are 4,285,440 GPU-polls; at most 2,000,000 are "
+            "simulated (fewer GPUs, a shorter duration or a longer interval)",
+        ),
+    ],
+)
+def test_a_scenario_of_too_many_processes_or_gpus_over_its_polls_is_refused_up_front(
+    text: str, message: str
+) -> None:
+    """Each poll reads every process (some 40 us each): 4,000 processes over an hour at 5s were
+    two minutes of work, and a 1 MiB scenario of 35,000 over 100,000 polls hours, a run that
+    never ends for whoever started it. And every GPU, some 100 us each at 248 and more past it
+    (3 s a poll at 4,000): one of 250,000 GPUs took hours a poll (a GPU's minor is at most the
+    driver's 247, so there are at most 248). Refused before the first poll, as too many polls
+    are."""
+    parsed = parse_scenario("s.yaml", text)
+    with pytest.raises(SimulationError) as err:
+        Simulation(parsed, scenario_policy(parsed, None)[0])
+    assert str(err.value) == f"s.yaml: {message}"

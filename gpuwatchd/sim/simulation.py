@@ -50,6 +50,7 @@ from gpuwatchd.sim.world import (
     mig_uuid,
     size_text,
 )
+from gpuwatchd.state.pause import TIME_UP
 from gpuwatchd.state.spares import MAX_SPARES
 
 BUSY_POLLS = 50  # polls at one instant before the simulation calls it a busy loop
@@ -188,6 +189,8 @@ class Simulation:
             previous = self.now
             self.polls += 1
             wall = WALL0 + self.now  # as the daemon reads the spare files: those in force
+            if self.pause is not None and self.pause.until is not None and self.pause.until <= wall:
+                self.pause = Pause(None, resumed=TIME_UP)  # and the pause file, its time up
             spares = tuple(s for s in self.spares.values() if s.until > wall)
             until = self.engine.poll(PollInputs(pause=self.pause, spares=spares)).wake_at
             busy = busy + 1 if until <= previous else 0
@@ -253,8 +256,9 @@ class Simulation:
         """A timeline step applied: to the daemon's switches, to a process or to a GPU (each
         of these three leaves the others' steps alone)."""
         action, wall = event.action, WALL0 + self.now
-        if action in ("pause", "resume"):
-            self.pause = Pause((event.value or "admin") if action == "pause" else None)
+        if action in ("pause", "resume"):  # `gpuwatchd pause` (no --for) lasts max_pause
+            until = wall + self.policy.limits.max_pause
+            self.pause = Pause(event.value or "admin", until) if action == "pause" else Pause(None)
         elif action == "spare" and (spare := self.world.spare(event, wall)) is not None:
             # As `gpuwatchd spare` refuses a new target while MAX_SPARES are in force.
             in_force = {s.target for s in self.spares.values() if s.until > wall}

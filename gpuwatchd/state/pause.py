@@ -29,6 +29,7 @@ RESUMED_FILE = "resumed"  # ``resume --reason``: why, for the daemon's ``EventNa
 MAX_PAUSE_FILE = 64 * 1024
 PAUSE = Format(PAUSE_FILE, MAX_PAUSE_FILE, newline=True)  # read leniently: a bad one still pauses
 RESUMED = Format(RESUMED_FILE, MAX_PAUSE_FILE, newline=True)
+TIME_UP = "the pause ended by itself (its time was up)"  # a resume's reason (simulate's too)
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ def _in_force(switch: PauseSwitch | None, clock: BootTime, max_pause: float) -> 
         return Pause(switch.reason)
     left = min(left, max_pause)
     if left <= 0:
-        return Pause(None, resumed="the pause ended by itself (its time was up)")
+        return Pause(None, resumed=TIME_UP)
     ends = clock.wall + left
     if switch.until is not None and abs(switch.until - ends) < 1.0:
         ends = switch.until

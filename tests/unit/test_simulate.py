@@ -15,7 +15,7 @@ from gpuwatchd.sim.scenario import parse_scenario
 from gpuwatchd.sim.scenario_spec import ScenarioError
 from gpuwatchd.sim.simulation import Simulation, scenario_policy, simulate
 from gpuwatchd.sim.timeline import render_text
-from gpuwatchd.sim.world import SimulationError
+from gpuwatchd.sim.world import WALL0, SimulationError
 from tests.support.simnames import TrainerNames
 
 ORPHANS = """\
@@ -705,3 +705,17 @@ def test_a_scenario_of_too_many_processes_or_gpus_over_its_polls_is_refused_up_f
     with pytest.raises(SimulationError) as err:
         Simulation(parsed, scenario_policy(parsed, None)[0])
     assert str(err.value) == f"s.yaml: {message}"
+
+
+def test_a_pause_without_resume_ends_by_itself_after_limits_max_pause() -> None:
+    """``gpuwatchd pause`` without --for lasts limits.max_pause (docs/policy.md: a forgotten
+    pause ends by itself), and the daemon resumes at its first poll after that. The simulated
+    pause had no end: the orphan was never signalled, where the daemon signals it."""
+    text = scenario().replace("  dry_run: false\n", "  dry_run: false\n  limits: {max_pause: 1m}\n")
+    r = simulate(parse_scenario("s.yaml", text + "  - {at: 5s, pause: maintenance}\n"))
+    (paused,) = r.entries(EventName.DAEMON_PAUSED)
+    assert (paused.t, paused.fields["until"]) == (5.0, WALL0 + 65.0)
+    (resumed,) = r.entries(EventName.DAEMON_RESUMED)
+    assert resumed.t == 65.0
+    assert resumed.fields["reason"] == "the pause ended by itself (its time was up)"
+    assert [(t, sig) for t, name, sig, _ in r.signals() if name == "worker"] == [(65.0, "SIGTERM")]

@@ -78,7 +78,9 @@ MAX_REPORT_BYTES = 64 << 20  # a scan of a very large host is a few MiB
 # A report of 8,000 processes has a few hundred thousand values and nests 7 deep.
 MAX_REPORT_VALUES = 1_000_000
 MAX_REPORT_DEPTH = 32
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+# A string left open runs to the end, never fails: a failed match was tried again from each
+# escaped quote in it, each try reading on to the end (hours for a few hundred KB).
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
 _BRACKET = re.compile(rb"[\[{\]}]")
 
 

@@ -157,3 +157,14 @@ def test_brackets_and_commas_inside_strings_are_text_not_shape(tmp_path: Path) -
     report = tmp_path / "report.json"
     report.write_text(json.dumps({"cmdline": "[{," * 400_000 + '\\"]', "gpus": []}))
     assert load_report(str(report))["gpus"] == []
+
+
+def test_a_string_left_open_over_escaped_quotes_is_refused_at_once(tmp_path: Path) -> None:
+    """A report of one string never closed, made of 400,000 escaped quotes (800 KB): setting
+    its strings aside tried each escaped quote as a string's start and read on to the end
+    (hours, quadratic). Now the open string runs to the end: one line, exit 65, at once."""
+    report = tmp_path / "report.json"
+    report.write_text('{"gpus": [], "cmdline": "' + '\\"' * 400_000)
+    result = gpuwatchd("explain", str(report))
+    assert result.returncode == 65, result.stderr
+    assert result.stderr.startswith(f"gpuwatchd: {report}:1: not JSON: Unterminated string")

@@ -19,6 +19,7 @@ from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_f
 from gpuwatchd.core import model
 from gpuwatchd.core.checked import as_count, as_flag, as_list, as_map, as_text
 from gpuwatchd.core.codec import pick
+from gpuwatchd.core.escape import escape
 from gpuwatchd.core.model import (
     CgroupInfo,
     DeviceHolding,
@@ -36,7 +37,11 @@ from gpuwatchd.core.model import (
 
 
 class SnapshotError(Exception):
-    """A report that is not a ``scan --json`` document: ``file: field: message``."""
+    """A report that is not a ``scan --json`` document: ``file: field: message``, one line (the
+    report's own text in it, a key or what an evidence file cut, shown escaped)."""
+
+    def __str__(self) -> str:
+        return escape(super().__str__())
 
 
 T = TypeVar("T")

@@ -19,6 +19,7 @@ from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_f
 from gpuwatchd.core import model
 from gpuwatchd.core.checked import as_count, as_flag, as_list, as_map, as_text
 from gpuwatchd.core.codec import pick
+from gpuwatchd.core.escape import escape
 from gpuwatchd.core.model import (
     CgroupInfo,
     DeviceHolding,
@@ -36,7 +37,11 @@ from gpuwatchd.core.model import (
 
 
 class SnapshotError(Exception):
-    """A report that is not a ``scan --json`` document: ``file: field: message``."""
+    """A report that is not a ``scan --json`` document: ``file: field: message``, one line (the
+    report's own text in it, a key or what an evidence file cut, shown escaped)."""
+
+    def __str__(self) -> str:
+        return escape(super().__str__())
 
 
 T = TypeVar("T")
@@ -78,7 +83,9 @@ MAX_REPORT_BYTES = 64 << 20  # a scan of a very large host is a few MiB
 # A report of 8,000 processes has a few hundred thousand values and nests 7 deep.
 MAX_REPORT_VALUES = 1_000_000
 MAX_REPORT_DEPTH = 32
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+# A string left open runs to the end, never fails: a failed match was tried again from each
+# escaped quote in it, each try reading on to the end (hours for a few hundred KB).
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
 _BRACKET = re.compile(rb"[\[{\]}]")
 
 

@@ -413,8 +413,6 @@ HEALTH_DRAIN_TIMED_OUT CRITICAL: FINDING why blockers
     Draining {gpu} timed out{why}; on_failure hooks run.
 RESET_RESUME WARNING: record
     A reset was interrupted by a stop or crash: finishing or undoing it now.
-RESET_RESUMED WARNING: gpu result step reason needs_reboot
-    The interrupted reset of {gpu} ended: {result}{reason:why}.
 RESET_RESUME_FAILED ERROR: reason
     An interrupted reset could not be resumed{reason:why}.
 RESET_DUE INFO: FINDING dry_run pci_bus_id minor lasted evidence mig_layout MIG
@@ -526,6 +524,15 @@ KERNEL_LOG_DROPPED WARNING: lines kept
     EventName.RESET_DRY_RUN: spec(INFO, "RESET assumed", _reset_dry_run),
     EventName.HEALTH_DRAIN_STARTED: spec(
         WARNING, "FINDING blockers timeout dry_run drained_already", _drain_started
+    ),
+    EventName.RESET_RESUMED: spec(  # said as the resume begins (no result), and as it ends
+        WARNING,
+        "gpu result step reason needs_reboot reset_started persistence_off",
+        lambda s: (
+            f"The interrupted reset of {s.gpu()} ended: {s('result')}{s.why('reason')}."
+            if s.has("result")
+            else f"Resuming the interrupted reset of {s.gpu()} from step {s('step')}."
+        ),
     ),
     EventName.RESET_STEP: spec(
         INFO,

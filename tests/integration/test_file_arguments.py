@@ -157,3 +157,35 @@ def test_brackets_and_commas_inside_strings_are_text_not_shape(tmp_path: Path) -
     report = tmp_path / "report.json"
     report.write_text(json.dumps({"cmdline": "[{," * 400_000 + '\\"]', "gpus": []}))
     assert load_report(str(report))["gpus"] == []
+
+
+def test_a_string_left_open_over_escaped_quotes_is_refused_at_once(tmp_path: Path) -> None:
+    """A report of one string never closed, made of 400,000 escaped quotes (800 KB): setting
+    its strings aside tried each escaped quote as a string's start and read on to the end
+    (hours, quadratic). Now the open string runs to the end: one line, exit 65, at once."""
+    report = tmp_path / "report.json"
+    report.write_text('{"gpus": [], "cmdline": "' + '\\"' * 400_000)
+    result = gpuwatchd("explain", str(report))
+    assert result.returncode == 65, result.stderr
+    assert result.stderr.startswith(f"gpuwatchd: {report}:1: not JSON: Unterminated string")
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        {"evidence": {}, "truncated": ["processes\n\x1b[2Jgpuwatchd: forged"]},
+        {"gpus\n\x1b[2Jgpuwatchd: forged": 10**50},
+    ],
+    ids=["an evidence file's cut", "a key over a long number"],
+)
+def test_the_report_text_a_refusal_names_is_escaped(document: object, tmp_path: Path) -> None:
+    """A refusal that quotes the report (what an evidence file says it cut, the key of an
+    over-long number) wrote its newline and ESC raw: a forged second line, a repainted
+    terminal. Now one line, each as a visible escape."""
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps(document))
+    result = gpuwatchd("explain", str(report))
+    assert result.returncode == 65, result.stderr
+    assert result.stderr.count("\n") == 1
+    assert "\x1b" not in result.stderr
+    assert "\\n\\x1b[2Jgpuwatchd: forged" in result.stderr

@@ -38,6 +38,7 @@ from gpuwatchd.decide.plan.state import PlanState, ResetInFlight
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine.cycle import Engine, EngineState
 from gpuwatchd.engine.edges import MAX_KEPT_RUNS, MAX_KEPT_XIDS, Pause, TakenXids
+from gpuwatchd.events.catalogue import CATALOGUE, render
 from gpuwatchd.events.words import short
 from tests.support.enginerig import (
     GPU0,
@@ -403,6 +404,24 @@ def test_a_crash_while_another_boots_reset_is_undone_leaves_it_another_boots() -
     assert third.sink.named(EventName.RESET_OUTCOME) == []
     cleared = third.sink.named(EventName.RESET_IN_FLIGHT_CLEARED)
     assert [c["why"] for c in cleared] == ["the node rebooted since it was decided on"]
+
+
+def test_the_journal_of_a_resumed_reset_says_it_ended_once_it_has() -> None:
+    """reset.resumed was said as the resume began, with the step it was interrupted at: its
+    sentence said the reset had ended ('ended: ?') before anything ran, with two fields the
+    catalogue does not declare. Now it says the resume begins; the one at the end says how."""
+    pol = make_policy("reset: {confirm_for: 0s, cooldown: 1m}")
+    second = rig(pol, ghost_host, state=_interrupted_during_the_reset(pol))
+    second.engine.resume_interrupted_reset()
+    resumed = second.sink.named(EventName.RESET_RESUMED)
+    said = [render(EventName.RESET_RESUMED, fields) for fields in resumed]
+    assert said == [
+        f"Resuming the interrupted reset of {GPU0} from step reset.",
+        f"The interrupted reset of {GPU0} ended: success: interrupted at step reset after the"
+        " reset command started; health check passed; memory back to baseline.",
+    ]
+    declared = set(CATALOGUE[EventName.RESET_RESUMED].fields)
+    assert all(set(fields) <= declared for fields in resumed)
 
 
 @pytest.mark.parametrize("step", ["reset", "no such step"])

@@ -498,6 +498,17 @@ def test_undrain_without_slurm_does_nothing(tmp_path: Path) -> None:
     assert not (tmp_path / "state").exists()
 
 
+def test_undrain_finds_a_scontrol_named_without_a_path_as_the_prolog_does(tmp_path: Path) -> None:
+    """GPUWATCHD_SCONTROL given as a bare name is looked up in PATH, as the prolog and epilog
+    run it: the timer must not take it for a node without Slurm and do nothing."""
+    node = ("IDLE+DRAIN", "gpuwatchd: GPU-x orphaned")
+    env = {"GPUWATCHD_SCONTROL": "scontrol", "PATH": f"{tmp_path}:/usr/bin:/bin"}
+    proc = _script(tmp_path, node, "exit 0\n", ["gpuwatchd-slurm", "undrain"], **env)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "node.state").read_text() == "IDLE"
+    assert not _only_shown(tmp_path)
+
+
 def _script(
     tmp_path: Path,
     node: tuple[str, str],

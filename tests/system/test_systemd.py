@@ -238,14 +238,20 @@ def test_the_daemon_sees_a_host_name_set_after_it_started(configured: Container)
     The daemon reads it with gethostname(), in its own UTS namespace."""
     ct = configured
     ct.run(["systemctl", "start", UNIT])
+
+    def reloaded() -> None:  # the unit stays "reloading" until the daemon says READY again
+        ct.run(["systemctl", "reload", UNIT])
+        wait_for("the reload to end", lambda: ct.prop("ActiveState") == "active", timeout=30)
+
     ct.run(["hostname", "gpu-renamed"])
     try:
-        ct.run(["systemctl", "reload", UNIT])
+        reloaded()
         pid = ct.prop("MainPID")
         seen = ct.run(["nsenter", "-t", pid, "-u", "hostname"]).stdout.strip()
         assert seen == "gpu-renamed"
     finally:
         ct.run(["hostname", "gpuwatchd-it"])
+        reloaded()
 
 
 def test_status_shows_the_status_line(configured: Container) -> None:

@@ -780,19 +780,25 @@ class Engine:
         if pause is not None and pause.reason is not None:
             self.set_paused(pause.reason, until=pause.until)
         self.emit(EventName.RESET_RESUME, Level.WARNING, record=shown_record(record))
-        outcome = resume_interrupted(
-            record,
-            self.policy.reset,
-            self,
-            runner=self.actuator.run_command,
-            hostname=self.hostname,
-            fabric_wait=self._wait_for_fabric,
-        )
+        uuid = record.get("uuid")  # the state file's, of an unreadable record too: shown cut
+        try:
+            outcome = resume_interrupted(
+                record,
+                self.policy.reset,
+                self,
+                runner=self.actuator.run_command,
+                hostname=self.hostname,
+                fabric_wait=self._wait_for_fabric,
+            )
+        except Exception as err:  # a bug the record leads to must not end every start
+            gpu = None if uuid is None else short(uuid)
+            self.emit(EventName.RESET_CRASHED, Level.ERROR, gpu=gpu, error=repr(err))
+            crashed = f"the reset procedure crashed: {err!r}"
+            outcome = ResetOutcome(ResetResult.FAILED, ResetStep.DONE, crashed, False, None, ())
         self.state.reset_in_progress = None  # saved with the outcome booked, as a reset's
         if outcome is None:
             self.checkpoint()
             return
-        uuid = record.get("uuid")  # the state file's, of an unreadable record too: shown cut
         self.emit(
             EventName.RESET_RESUMED,
             Level.WARNING,

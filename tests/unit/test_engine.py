@@ -593,6 +593,33 @@ def test_a_reset_whose_procedure_crashed_is_over_once_booked() -> None:
     assert not second.sink.named(EventName.RESET_RESUMED)
 
 
+class _BugInTheAfterHook(Actuator):
+    """The reset procedure raises (a bug) as it runs the ``after`` hook, ``undrain``."""
+
+    def run_command(
+        self, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
+    ) -> CommandResult:
+        if argv[0] == "undrain":
+            raise RuntimeError("a bug")
+        return super().run_command(argv, timeout=timeout, env=env)
+
+
+def test_a_resume_that_crashes_is_booked_failed_and_the_start_goes_on() -> None:
+    """A bug the saved record leads the resume into must not end every start (the daemon in a
+    restart loop, the node unwatched): it is said (``reset.crashed``), booked as a failed
+    reset, and the record dropped, so the next start has nothing to resume."""
+    pol = make_policy("reset: {confirm_for: 0s, cooldown: 1m, after: [{command: [undrain]}]}")
+    second = rig(pol, ghost_host, state=_interrupted_during_the_reset(pol))
+    second.actuator = second.engine.actuator = _BugInTheAfterHook()
+    second.engine.resume_interrupted_reset()
+    assert [e["gpu"] for e in second.sink.named(EventName.RESET_CRASHED)] == [GPU0]
+    ended = [e for e in second.sink.named(EventName.RESET_RESUMED) if "result" in e]
+    assert [e["result"] for e in ended] == ["failed"]
+    assert second.engine.state.reset_in_progress is None
+    assert second.engine.state.plan.reset_in_flight is None
+    assert [o["result"] for o in second.sink.named(EventName.RESET_OUTCOME)] == ["failed"]
+
+
 def test_a_hostile_reset_in_flight_is_cleared_at_start_and_shown_cut() -> None:
     """The marker is read from the state file (hostile, up to its size): its GPU and finding
     key are shown in ``EventName.RESET_IN_FLIGHT_CLEARED`` cut as event values are, never whole."""

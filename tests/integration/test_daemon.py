@@ -1131,8 +1131,9 @@ def test_the_stop_writes_the_last_polls_wall_time_so_a_restart_sees_a_clock_set_
 
 def test_a_clear_latches_request_taken_by_a_poll_that_crashes_is_not_lost(tmp_path: Path) -> None:
     """The poll took the request (the file removed) and lifted the latch in memory, said so
-    (``limits.latches_cleared``), then crashed reading the GPUs before its checkpoint: the next
-    start found the latch saved, and the request gone. The lifted latch is saved at once."""
+    (``EventName.LIMITS_LATCHES_CLEARED``), then crashed reading the GPUs before its
+    checkpoint: the next start found the latch saved, and the request gone. The lifted latch is
+    saved at once."""
     state_dir = tmp_path / "state"
     state_dir.mkdir(mode=0o700)
     policy = dataclasses.replace(default_policy(), state_dir=str(state_dir), dry_run=False)

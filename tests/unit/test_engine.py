@@ -407,9 +407,10 @@ def test_a_crash_while_another_boots_reset_is_undone_leaves_it_another_boots() -
 
 
 def test_the_journal_of_a_resumed_reset_says_it_ended_once_it_has() -> None:
-    """reset.resumed was said as the resume began, with the step it was interrupted at: its
-    sentence said the reset had ended ('ended: ?') before anything ran, with two fields the
-    catalogue does not declare. Now it says the resume begins; the one at the end says how."""
+    """``EventName.RESET_RESUMED`` was said as the resume began, with the step it was
+    interrupted at: its sentence said the reset had ended ('ended: ?') before anything ran, with
+    two fields the catalogue does not declare. Now it says the resume begins; the one at the end
+    says how."""
     pol = make_policy("reset: {confirm_for: 0s, cooldown: 1m}")
     second = rig(pol, ghost_host, state=_interrupted_during_the_reset(pol))
     second.engine.resume_interrupted_reset()
@@ -606,8 +607,8 @@ class _BugInTheAfterHook(Actuator):
 
 def test_a_resume_that_crashes_is_booked_failed_and_the_start_goes_on() -> None:
     """A bug the saved record leads the resume into must not end every start (the daemon in a
-    restart loop, the node unwatched): it is said (``reset.crashed``), booked as a failed
-    reset, and the record dropped, so the next start has nothing to resume."""
+    restart loop, the node unwatched): it is said (``EventName.RESET_CRASHED``), booked as a
+    failed reset, and the record dropped, so the next start has nothing to resume."""
     pol = make_policy("reset: {confirm_for: 0s, cooldown: 1m, after: [{command: [undrain]}]}")
     second = rig(pol, ghost_host, state=_interrupted_during_the_reset(pol))
     second.actuator = second.engine.actuator = _BugInTheAfterHook()

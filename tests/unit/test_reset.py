@@ -577,7 +577,7 @@ def test_a_reset_that_needs_a_reboot_still_does_after_a_crash_during_its_undo(
 ) -> None:
     """The recorded result of a reset whose GPU needs a reboot (exit 15, unhealthy after it)
     keeps saying so: a crash while persistence mode or the after hooks ran does not turn it
-    into a plain failure (no ``gpu.needs_reboot``)."""
+    into a plain failure (no ``EventName.GPU_NEEDS_REBOOT``)."""
     smi.set(reset=reset, query=query)
     record = records_of(smi)[step]
     env = FakeEnvironment(smi)

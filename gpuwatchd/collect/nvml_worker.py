@@ -51,11 +51,16 @@ def describe_error(error: BaseException) -> str:
     return str(error) or type(error).__name__
 
 
+def _lost(error: Exception) -> bool:
+    """Whether NVML said NVML_ERROR_GPU_IS_LOST."""
+    return getattr(error, "value", None) == NVML_ERROR_GPU_IS_LOST
+
+
 def note_error(errors: list[str], name: str, error: Exception) -> None:
     """The one mapping of a failed query: GPU lost ends the GPU's reading (GpuLostError); any
     other error, NVML's or a binding bug that must not take the worker down, is noted."""
     if isinstance(error, pynvml.NVMLError):
-        if getattr(error, "value", None) == NVML_ERROR_GPU_IS_LOST:
+        if _lost(error):
             raise GpuLostError(name) from error
         errors.append(f"{name}: {describe_error(error)}")
     else:
@@ -359,7 +364,7 @@ class Worker:
             try:
                 data = pynvml.nvmlEventSetWait_v2(self.event_set, EVENT_WAIT_MS)
             except pynvml.NVMLError as error:
-                if getattr(error, "value", None) == NVML_ERROR_GPU_IS_LOST:
+                if _lost(error):
                     self.rebuild_events(gpus)
                 return  # Timeout: nothing (more) queued; any other error: try next poll
             if int(data.eventType) != EVENT_TYPE_XID:

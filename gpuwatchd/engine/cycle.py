@@ -644,15 +644,19 @@ class Engine:
         try:
             outcome = self.slow(work)
         except Exception as err:  # a bug in the procedure must not end the daemon
-            self.emit(EventName.RESET_CRASHED, Level.ERROR, gpu=intent.gpu, error=repr(err))
-            crashed = f"the reset procedure crashed: {err!r}"
-            # Booked as failed below: its last record, saved with the booking, would read as a
-            # reset under way until a start, however much later, resumed it (docs/reset.md).
-            self.state.reset_in_progress = None
-            outcome = ResetOutcome(ResetResult.FAILED, ResetStep.DONE, crashed, False, None, ())
+            outcome = self._procedure_crashed(intent.gpu, err)
         booked = self._book_reset(intent, outcome, kept)
         self.checkpoint()  # the record gone and the outcome booked, in one save
         return booked
+
+    def _procedure_crashed(self, gpu: str | None, err: Exception) -> ResetOutcome:
+        """A reset procedure that raised (a bug): said, and over as a failed reset. Its last
+        record is dropped, saved with the booking: kept, it would read as a reset under way
+        until a start, however much later, resumed it (docs/reset.md)."""
+        self.emit(EventName.RESET_CRASHED, Level.ERROR, gpu=gpu, error=repr(err))
+        self.state.reset_in_progress = None
+        crashed = f"the reset procedure crashed: {err!r}"
+        return ResetOutcome(ResetResult.FAILED, ResetStep.DONE, crashed, False, None, ())
 
     def _keep_evidence(self, step: Step) -> dict[str, object]:
         """Write the evidence file of ``step``: the step's event field naming it, or nothing
@@ -791,10 +795,7 @@ class Engine:
                 fabric_wait=self._wait_for_fabric,
             )
         except Exception as err:  # a bug the record leads to must not end every start
-            gpu = None if uuid is None else short(uuid)
-            self.emit(EventName.RESET_CRASHED, Level.ERROR, gpu=gpu, error=repr(err))
-            crashed = f"the reset procedure crashed: {err!r}"
-            outcome = ResetOutcome(ResetResult.FAILED, ResetStep.DONE, crashed, False, None, ())
+            outcome = self._procedure_crashed(None if uuid is None else short(uuid), err)
         self.state.reset_in_progress = None  # saved with the outcome booked, as a reset's
         if outcome is None:
             self.checkpoint()
